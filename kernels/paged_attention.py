@@ -1,0 +1,79 @@
+"""Attention over a paged KV cache, plain torch.
+
+The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's tokens
+live in the blocks its block table lists, in order. Query heads are grouped over KV heads (GQA;
+MHA is the group size 1 case). The keys/values of the tokens being computed are already written
+to the cache (write_kv_cache runs first), so one code path covers fresh prompts, chunked prefill,
+prefix-cache hits and several query tokens per sequence (speculative verification).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, num_heads, head_dim]: one query token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64, padded with any valid block id
+    seq_lens: torch.Tensor,  # [B] int64: tokens in the cache per sequence, the query's own included
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    """Batched over sequences by padding every block table to the longest; callers that mix very
+    different lengths should bucket sequences by length to bound the padding work."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+
+    # Gather each sequence's pages into one contiguous run: [B, KVH, L, D].
+    keys = k_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    key_pos = torch.arange(max_len, device=query.device)
+    invalid = key_pos[None, :] >= seq_lens[:, None]
+    if sliding_window is not None:
+        invalid |= key_pos[None, :] <= (seq_lens[:, None] - 1 - sliding_window)
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]: the flat batch of query tokens
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    query_start_loc: torch.Tensor,  # [B + 1] int64: sequence i owns query rows [loc[i], loc[i+1])
+    seq_lens: torch.Tensor,  # [B]: cached context + this chunk; the chunk is the tail of the sequence
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Causal attention of each chunk over its whole context, one sequence at a time."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(query)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        num_q = q_end - q_start
+        blocks = block_tables[i, : -(-seq_len // block_size)]
+        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k = keys.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = values.transpose(0, 1).unsqueeze(0)
+        mask = None
+        if num_q != seq_len or sliding_window is not None:
+            q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)[:, None]
+            k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        out[q_start:q_end] = o.squeeze(0).transpose(0, 1)
+    return out

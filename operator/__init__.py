@@ -1,0 +1,1 @@
+"""kvscale operator (see issue: Operator)."""

@@ -1,0 +1,33 @@
+"""Shared fixtures: the trained model pair from ../shared/models and tiny random models built in a
+temporary folder through the same code path users take (Hugging Face folder -> our loader)."""
+
+from __future__ import annotations
+
+import pytest
+from model_fixtures import RANDOM_CONFIGS, TARGET
+
+
+@pytest.fixture(scope="session")
+def target_model() -> str:
+    if not TARGET.is_dir():
+        pytest.skip(f"{TARGET} is missing")
+    return str(TARGET)
+
+
+@pytest.fixture(scope="session")
+def random_model_factory(tmp_path_factory):
+    """Builds (once per session) the random model named by a RANDOM_CONFIGS key."""
+    from kvscale.worker.tiny_model import build_tiny_model
+
+    built: dict[str, str] = {}
+
+    def build(name: str) -> str:
+        if name not in built:
+            tokenizer = TARGET if TARGET.is_dir() else None
+            path = tmp_path_factory.mktemp(name)
+            built[name] = str(
+                build_tiny_model(path, tokenizer_from=tokenizer, seed=1, **RANDOM_CONFIGS[name])
+            )
+        return built[name]
+
+    return build

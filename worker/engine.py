@@ -1,0 +1,216 @@
+"""LLMEngine: the step loop. schedule -> one forward -> sample -> update requests -> free blocks.
+
+Synchronous and network-free: the offline API drives it directly and the server runs it from
+its own loop. A request with n > 1 fans out into n sequences that share the prompt (and, through
+the prefix cache, its KV blocks); their outputs are gathered under the parent's id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from kvscale.worker.config import EngineArgs
+from kvscale.worker.detokenizer import IncrementalDetokenizer
+from kvscale.worker.kv_cache_manager import KVCacheManager
+from kvscale.worker.model_loader import load_tokenizer
+from kvscale.worker.model_runner import ModelRunner
+from kvscale.worker.outputs import RequestOutput, completion_output
+from kvscale.worker.request import Request, RequestStatus
+from kvscale.worker.sampling_params import SamplingParams
+from kvscale.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several), the config and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        gen = None
+    for value in (gen, getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    num_fed: list[int] = field(default_factory=list)  # tokens already given to each detokenizer
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if not args.model:
+            raise ValueError("no model given: pass the path of a Hugging Face model folder")
+        self.args = args
+        self.runner = ModelRunner(args)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.spec.vocab_size
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
+            self.kv_cache_manager,
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._ids = count()
+
+    # -- requests in and out -----------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        )
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max(1, max_tokens),
+                arrival_time=arrival,
+                prompt=text,
+            )
+            if params.seed is not None and not params.is_greedy:
+                # Own generator per sequence: a seeded request reproduces whatever shares its batch.
+                child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            children.append(child)
+        self.scheduler.check_admissible(children[0])
+        for child in children:
+            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = request_id
+        self._parents[request_id] = _Parent(
+            request_id,
+            text,
+            children,
+            [
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                )
+                for _ in children
+            ],
+            [0] * len(children),
+        )
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Finish requests now and free their KV blocks; unknown or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            self.scheduler.finish_requests(
+                [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
+            )
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty():
+            return []
+        result = self.runner.execute_model(scheduled)
+        updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
+        self._record_logprobs(scheduled, result.logprobs)
+        touched: dict[str, _Parent] = {}
+        for request in updated:
+            parent = self._parents[self._child_to_parent[request.request_id]]
+            self._detokenize(parent, request)
+            touched[parent.request_id] = parent
+        return [self._make_output(p) for p in touched.values()]
+
+    def _record_logprobs(self, scheduled: SchedulerOutput, logprobs: list) -> None:
+        for request, lps in zip(scheduled.requests, logprobs, strict=True):
+            if lps and request.logprobs is not None:
+                request.logprobs.extend(lps)
+
+    def _detokenize(self, parent: _Parent, request: Request) -> None:
+        i = parent.children.index(request)
+        detok = parent.detokenizers[i]
+        new_ids = request.output_token_ids[parent.num_fed[i] :]
+        parent.num_fed[i] = request.num_output_tokens
+        if request.status == RequestStatus.FINISHED_STOPPED:
+            new_ids = new_ids[:-1]  # the EOS / stop token ends the text; it is not part of it
+        stop = detok.update(new_ids)
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop
+        elif stop is not None:
+            request.stop_reason = stop  # EOS/length arrived together with the stop string
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        for child, detok in zip(parent.children, parent.detokenizers, strict=True):
+            if child.is_finished:
+                detok.flush()  # release text held back for a character still incomplete
+        outputs = [
+            completion_output(i, child, detok.output_text)
+            for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))
+        ]
+        finished = all(c.is_finished for c in parent.children)
+        if finished:
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
