@@ -56,14 +56,16 @@ class EngineArgs:
                 raise ValueError(message)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = {"int": int, "int | None": int, "float | None": float}.get(f.type, str)
-                parser.add_argument(flag, type=kind, default=f.default, required=f.name == "model")
+                parser.add_argument(
+                    flag, type=kind, default=f.default, required=f.name == "model" and model_required
+                )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

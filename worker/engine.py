@@ -93,7 +93,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) when it can never run."""
         params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id is None:  # skip ids the caller chose for earlier requests
+            request_id = str(next(self._ids))
+            while request_id in self._parents or request_id in self.scheduler.requests:
+                request_id = str(next(self._ids))
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize(prompt)
@@ -118,6 +121,10 @@ class LLMEngine:
                 child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             children.append(child)
         self.scheduler.check_admissible(children[0])
+        # Check every child id before queueing any: a half-added request would have no parent.
+        taken = [c.request_id for c in children if c.request_id in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         for child in children:
             self.scheduler.add_request(child)
             self._child_to_parent[child.request_id] = request_id
@@ -186,16 +193,19 @@ class LLMEngine:
         if request.status == RequestStatus.FINISHED_STOPPED:
             new_ids = new_ids[:-1]  # the EOS / stop token ends the text; it is not part of it
         stop = detok.update(new_ids)
+        if stop is None and request.is_finished:
+            # Release text held back for a character still incomplete; it may complete a stop string.
+            stop = detok.flush()
         if stop is not None and not request.is_finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop
         elif stop is not None:
-            request.stop_reason = stop  # EOS/length arrived together with the stop string
+            # EOS/length arrived together with the stop string, which cut the text: report it as the
+            # reason (as vLLM does), not "length" with a truncated text.
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
-        for child, detok in zip(parent.children, parent.detokenizers, strict=True):
-            if child.is_finished:
-                detok.flush()  # release text held back for a character still incomplete
         outputs = [
             completion_output(i, child, detok.output_text)
             for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))

@@ -37,6 +37,7 @@ def num_blocks_for(
     """
     if num_kv_blocks is not None:
         return num_kv_blocks
+    cap = None
     if kv_cache_memory_bytes is not None:
         budget = kv_cache_memory_bytes
     elif kv_cache_memory_fraction is not None:
@@ -45,14 +46,14 @@ def num_blocks_for(
         budget = int(0.9 * free_bytes) - activation_reserve
     else:
         budget = min(CPU_DEFAULT_KV_BYTES, free_bytes // 2)
-        return max(1, min(budget // block_bytes, max_useful_blocks))
+        cap = max_useful_blocks
     blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache: budget {budget} bytes, one block needs {block_bytes}; "
             "give the engine more memory or a smaller max_num_batched_tokens"
         )
-    return blocks
+    return blocks if cap is None else min(blocks, cap)
 
 
 def free_memory_bytes(device: torch.device) -> int:

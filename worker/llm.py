@@ -38,15 +38,17 @@ class LLM:
 
         engine = self.engine
         ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p))
-        except ValueError:
-            engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-run batch behind
+            ours = set(ids)  # the engine may also be running requests added through it directly
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in ours:
+                        finished[out.request_id] = out
+        except BaseException:
+            # All or nothing: a bad prompt (or an interrupt) leaves no half-run batch behind.
+            engine.abort_request(ids)
             raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
         return [finished[i] for i in ids]

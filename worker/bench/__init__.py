@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print JSON and run a peer beside us on the same workload."""

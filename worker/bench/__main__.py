@@ -1,0 +1,28 @@
+"""`python -m kvscale.worker.bench <benchmark> ... [--json]`: each benchmark prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvscale.worker.bench import throughput
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvscale.worker.bench")
+    parser.add_argument(
+        "--json", action="store_true", help="print only the JSON result (the default prints it indented)"
+    )
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    throughput.add_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    result = args.func(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
