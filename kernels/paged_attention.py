@@ -1,10 +1,11 @@
 """Attention over a paged KV cache, plain torch.
 
-The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's tokens
-live in the blocks its block table lists, in order. Query heads are grouped over KV heads (GQA;
-MHA is the group size 1 case). The keys/values of the tokens being computed are already written
-to the cache (write_kv_cache runs first), so one code path covers fresh prompts, chunked prefill,
-prefix-cache hits and several query tokens per sequence (speculative verification).
+The cache of one layer is `[num_kv_heads, num_blocks, block_size, head_dim]` (see kv_cache.py);
+a sequence's tokens live in the blocks its block table lists, in order. Query heads are grouped
+over KV heads (GQA; MHA is the group size 1 case). The keys/values of the tokens being computed
+are already written to the cache (write_kv_cache runs first), so one code path covers fresh
+prompts, chunked prefill, prefix-cache hits and several query tokens per sequence (speculative
+verification).
 """
 
 import torch
@@ -23,23 +24,24 @@ def paged_decode_attention(
     """Batched over sequences by padding every block table to the longest; callers that mix very
     different lengths should bucket sequences by length to bound the padding work."""
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
 
-    # Gather each sequence's pages into one contiguous run: [B, KVH, L, D].
-    keys = k_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    # Gather each sequence's pages per KV head: [KVH, B, L, D], contiguous in one copy.
+    flat = block_tables.reshape(-1)
+    keys = k_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    values = v_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
 
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, KVH, G, L]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, L]
     key_pos = torch.arange(max_len, device=query.device)
     invalid = key_pos[None, :] >= seq_lens[:, None]
     if sliding_window is not None:
         invalid |= key_pos[None, :] <= (seq_lens[:, None] - 1 - sliding_window)
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    return torch.matmul(probs, values).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(
@@ -53,18 +55,16 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each chunk over its whole context, one sequence at a time."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         num_q = q_end - q_start
         blocks = block_tables[i, : -(-seq_len // block_size)]
-        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k_cache[:, blocks].view(num_kv_heads, -1, head_dim)[None, :, :seq_len]  # [1, KVH, L, D]
+        v = v_cache[:, blocks].view(num_kv_heads, -1, head_dim)[None, :, :seq_len]
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        k = keys.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = values.transpose(0, 1).unsqueeze(0)
         mask = None
         if num_q != seq_len or sliding_window is not None:
             q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)[:, None]

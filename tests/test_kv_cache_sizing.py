@@ -121,5 +121,5 @@ def test_engine_sized_by_a_byte_budget(random_model_factory) -> None:
     assert llm.engine.kv_cache_manager.num_blocks == runner.num_blocks == expected
     assert len(runner.kv_caches) == spec.num_layers
     for k, v in runner.kv_caches:
-        assert k.shape == v.shape == (expected, 8, spec.num_kv_heads, spec.head_dim)
+        assert k.shape == v.shape == (spec.num_kv_heads, expected, 8, spec.head_dim)
     assert sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer) <= budget

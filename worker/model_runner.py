@@ -88,7 +88,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Zeroed, not empty: padded attention reads stale slots (masked out), and 0 * NaN would leak.
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.spec.num_kv_heads, num_blocks, self.block_size, self.spec.head_dim)  # head-major
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -11,12 +11,11 @@ from kvscale.worker.bench import throughput
 
 
 def main(argv: list[str] | None = None) -> int:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     parser = argparse.ArgumentParser(prog="python -m kvscale.worker.bench")
-    parser.add_argument(
-        "--json", action="store_true", help="print only the JSON result (the default prints it indented)"
-    )
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    throughput.add_parser(sub)
+    throughput.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

@@ -200,8 +200,10 @@ def _min_median_max(values: list[int]) -> list[int]:
     return [s[0], s[len(s) // 2], s[-1]]
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("throughput", help="offline throughput against static batching and transformers")
+def add_parser(sub, parents: list) -> None:
+    p = sub.add_parser(
+        "throughput", parents=parents, help="offline throughput against static batching and transformers"
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32, help="max sequences at once, for every contender")
