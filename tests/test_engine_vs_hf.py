@@ -6,7 +6,9 @@ float rounding; the comparison stops there (the continuations legitimately diffe
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +66,8 @@ def run_and_compare(model_path: str, prompts: list[list[int]], max_new: list[int
 @pytest.mark.parametrize("name", sorted(RANDOM_CONFIGS))
 def test_random_configs_match_transformers(random_model_factory, name):
     path = random_model_factory(name)
-    prompts = mixed_prompts(4096, 8, seed=len(name))
+    vocab_size = json.loads(Path(path, "config.json").read_text())["vocab_size"]
+    prompts = mixed_prompts(vocab_size, 8, seed=len(name))
     max_new = [random.Random(i).randint(4, 40) for i in range(len(prompts))]
     # A small token budget forces chunked prefill next to running decodes.
     run_and_compare(path, prompts, max_new, num_kv_blocks=256, block_size=8, max_num_batched_tokens=48)
