@@ -31,3 +31,13 @@ def random_model_factory(tmp_path_factory):
         return built[name]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def server(target_model, tmp_path_factory):
+    """One worker server on the target model for the whole session (tests must not break it)."""
+    from server_fixtures import start_server
+
+    proc = start_server(target_model, tmp_path_factory.mktemp("server"), "--num-kv-blocks", "1024")
+    yield proc
+    assert proc.stop() == 0, proc.log()

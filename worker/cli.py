@@ -1,6 +1,8 @@
 """`kvscale-worker`: the worker's command line.
 
     kvscale-worker generate [--model PATH] [--prompt TEXT ...] [engine flags]
+    kvscale-worker serve [--model PATH] [--host H --port P] [--served-model-name N] [--api-key K]
+                         [--max-queued-requests N] [--drain-timeout S] [engine flags]
 
 Without --model it builds (once, in ~/.cache/kvscale) a tiny random Llama with a locally trained
 tokenizer, so the command works on a fresh machine with no download.
@@ -10,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.json_logging import configure_logging
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n",
@@ -67,9 +69,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from kvscale.worker.api_server import ServerConfig, serve
+
+    args.model = args.model or _default_model()
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("KVSCALE_API_KEY") or None,
+        max_queued_requests=args.max_queued_requests,
+        drain_timeout=args.drain_timeout,
+    )
+    return asyncio.run(serve(EngineArgs.from_cli_args(args), config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvscale-worker", description="kvscale inference worker")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", choices=["json", "text"], default="json", help="json: one object per line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions offline and print them")
@@ -80,14 +103,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    EngineArgs.add_cli_args(srv, model_required=False)
+    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--served-model-name", default=None, help="the name clients pass as `model` (default: --model)"
+    )
+    srv.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` (or set KVSCALE_API_KEY)"
+    )
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="waiting requests beyond this get 429 + Retry-After",
+    )
+    srv.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run after SIGTERM"
+    )
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -23,6 +23,7 @@ from kvscale.worker.outputs import RequestOutput, completion_output
 from kvscale.worker.request import Request, RequestStatus
 from kvscale.worker.sampling_params import SamplingParams
 from kvscale.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvscale.worker.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,21 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _finished_stats(request: Request) -> FinishedRequestStats:
+    end = request.finished_time or time.monotonic()
+    return FinishedRequestStats(
+        finish_reason=request.status.finish_reason or "abort",
+        e2e_latency=end - request.arrival_time,
+        queue_time=None
+        if request.first_scheduled_time is None
+        else request.first_scheduled_time - request.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_generation_tokens=request.num_output_tokens,
+    )
+
+
 @dataclass
-class _Parent:
+class ParentRequest:
     request_id: str
     prompt: str | None
     children: list[Request]
@@ -70,9 +84,12 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
             self.kv_cache_manager,
         )
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = count()
+        self._stats = IterationStats()
+        self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
 
     # -- requests in and out -----------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -84,21 +101,20 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         return None, ids
 
-    def add_request(
+    def make_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
-    ) -> str:
-        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+    ) -> ParentRequest:
+        """Tokenize and validate a request without queueing it (raises ValueError when it can never
+        run). Touches no scheduler state, so the server calls it from its own thread."""
         params = params or SamplingParams()
         if request_id is None:  # skip ids the caller chose for earlier requests
             request_id = str(next(self._ids))
             while request_id in self._parents or request_id in self.scheduler.requests:
                 request_id = str(next(self._ids))
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = (
@@ -121,30 +137,41 @@ class LLMEngine:
                 child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             children.append(child)
         self.scheduler.check_admissible(children[0])
+        detokenizers = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            for _ in children
+        ]
+        return ParentRequest(request_id, text, children, detokenizers, [0] * len(children))
+
+    def add_prepared(self, parent: ParentRequest) -> str:
+        """Queue a request made by make_request."""
+        if parent.request_id in self._parents:
+            raise ValueError(f"request id {parent.request_id!r} is already in use")
         # Check every child id before queueing any: a half-added request would have no parent.
-        taken = [c.request_id for c in children if c.request_id in self.scheduler.requests]
+        taken = [c.request_id for c in parent.children if c.request_id in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
-        for child in children:
+        for child in parent.children:
             self.scheduler.add_request(child)
-            self._child_to_parent[child.request_id] = request_id
-        self._parents[request_id] = _Parent(
-            request_id,
-            text,
-            children,
-            [
-                IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_ids,
-                    params.skip_special_tokens,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                )
-                for _ in children
-            ],
-            [0] * len(children),
-        )
-        return request_id
+            self._child_to_parent[child.request_id] = parent.request_id
+        self._parents[parent.request_id] = parent
+        return parent.request_id
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+        return self.add_prepared(self.make_request(prompt, params, request_id, arrival_time))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Finish requests now and free their KV blocks; unknown or finished ids are ignored."""
@@ -152,9 +179,11 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             if parent is None:
                 continue
-            self.scheduler.finish_requests(
+            aborted = self.scheduler.finish_requests(
                 [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
             )
+            for child in aborted:
+                self._stats.finished.append(_finished_stats(child))
             for child in parent.children:
                 self._child_to_parent.pop(child.request_id, None)
 
@@ -173,23 +202,35 @@ class LLMEngine:
         result = self.runner.execute_model(scheduled)
         updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
         self._record_logprobs(scheduled, result.logprobs)
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, ParentRequest] = {}
         for request in updated:
             parent = self._parents[self._child_to_parent[request.request_id]]
             self._detokenize(parent, request)
             touched[parent.request_id] = parent
         return [self._make_output(p) for p in touched.values()]
 
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call (steps and aborts), for the metrics."""
+        stats, self._stats = self._stats, IterationStats()
+        sched, pc = self.scheduler, self.kv_cache_manager.prefix_cache_stats
+        stats.num_preemptions = sched.num_preemptions - self._seen_preemptions
+        stats.prefix_cache_queries = pc.queries - self._seen_prefix[0]
+        stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
+        self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
+        return stats
+
     def _record_logprobs(self, scheduled: SchedulerOutput, logprobs: list) -> None:
         for request, lps in zip(scheduled.requests, logprobs, strict=True):
             if lps and request.logprobs is not None:
                 request.logprobs.extend(lps)
 
-    def _detokenize(self, parent: _Parent, request: Request) -> None:
+    def _detokenize(self, parent: ParentRequest, request: Request) -> None:
         i = parent.children.index(request)
         detok = parent.detokenizers[i]
-        new_ids = request.output_token_ids[parent.num_fed[i] :]
+        seen = parent.num_fed[i]
+        new_ids = request.output_token_ids[seen:]
         parent.num_fed[i] = request.num_output_tokens
+        self._record_token_stats(request, seen)
         if request.status == RequestStatus.FINISHED_STOPPED:
             new_ids = new_ids[:-1]  # the EOS / stop token ends the text; it is not part of it
         stop = detok.update(new_ids)
@@ -204,10 +245,22 @@ class LLMEngine:
             # reason (as vLLM does), not "length" with a truncated text.
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop
+        if request.is_finished:
+            self._stats.finished.append(_finished_stats(request))
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _record_token_stats(self, request: Request, seen: int) -> None:
+        stats, times = self._stats, request.token_times
+        stats.num_generation_tokens += len(times) - seen
+        if seen == 0:
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.time_to_first_tokens.append(times[0] - request.arrival_time)
+        stats.inter_token_latencies.extend(times[j] - times[j - 1] for j in range(max(seen, 1), len(times)))
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        # Text is what is safe to stream: a tail that may still become a stop string is held back
+        # until it is known not to be one, so streamed text never has to be taken back.
         outputs = [
-            completion_output(i, child, detok.output_text)
+            completion_output(i, child, detok.get_next_output_text(finished=child.is_finished, delta=False))
             for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))
         ]
         finished = all(c.is_finished for c in parent.children)

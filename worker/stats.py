@@ -1,0 +1,32 @@
+"""What one engine step did, for the metrics: filled by the engine, read by a stat logger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort"
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    # Prompt tokens of requests that produced their first token (vLLM counts them there too).
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    # Speculative decoding: proposals made, tokens proposed and accepted (per position too).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
