@@ -74,7 +74,9 @@ def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():
     kv.free(first)
     kv.free(second)
     assert kv.usage() == 0.0 and kv.block_pool.num_cached_blocks == 2
-    assert kv.prefix_cache_stats.hits == 8 + 4
+    assert kv.prefix_cache_stats.hits == 0  # lookups count only when the scheduler admits
+    kv.record_prefix_lookup(second, 8)
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (10, 8)
     kv.block_pool.check_invariants()
 
 

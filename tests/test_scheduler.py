@@ -158,3 +158,21 @@ def test_admission_rejects_what_can_never_run():
     with pytest.raises(ValueError, match="empty"):
         sched.add_request(Request("empty", [], SamplingParams()))
     assert not sched.has_unfinished_requests()
+
+
+def test_prefix_lookups_count_once_per_admission():
+    kv = KVCacheManager(4, 4)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(cfg, kv)
+    sched.add_request(Request("a", list(range(12)), SamplingParams(max_tokens=4), max_tokens=4))
+    sched.add_request(Request("b", list(range(100, 112)), SamplingParams(max_tokens=4), max_tokens=4))
+    for _ in range(3):  # b finds no room while a runs: its failed lookups must not count
+        run_step(sched, kv, cfg)
+    assert kv.prefix_cache_stats.queries == 12
+    while sched.has_unfinished_requests():
+        run_step(sched, kv, cfg)
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (24, 0)
+    # A repeat of b hits b's two full blocks (its last prompt token is always recomputed).
+    sched.add_request(Request("c", list(range(100, 112)), SamplingParams(max_tokens=4), max_tokens=4))
+    run_step(sched, kv, cfg)
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (36, 8)

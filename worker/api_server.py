@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvscale.worker.async_engine import AsyncLLM
 from kvscale.worker.config import EngineArgs
@@ -90,8 +90,12 @@ async def api_middleware(request: web.Request, handler):
         if e.status == 400:
             state.llm.metrics.rejected.inc(reason="invalid")
         return _error(e)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own errors (unknown route, wrong method, body too large) in the OpenAI shape too
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return _error(APIError(e.status, f"{e.reason}: {request.method} {request.path}", headers=allow))
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client left; its engine request is already aborted
     except Exception:
@@ -122,8 +126,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    body = generate_latest(state.llm.metrics.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=state.llm.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def models(request: web.Request) -> web.Response:

@@ -117,9 +117,12 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        # Without max_tokens a request may run to the model length, or to what the whole pool holds
+        # when that is less (so it is not refused for a worst case nobody asked for).
+        room = min(self.max_model_len, self.kv_cache_manager.num_blocks * self.args.block_size) - len(
+            prompt_ids
         )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"

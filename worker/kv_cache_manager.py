@@ -68,9 +68,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a lookup once, when the request is admitted for the first time (a lookup that
+        finds no room, or the recompute after a preemption, would inflate the hit rate)."""
+        if self.enable_caching and request.num_preemptions == 0:
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

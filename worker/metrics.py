@@ -8,9 +8,10 @@ The engine thread feeds `record` once per step; every value comes from the engin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvscale.worker.scheduler import SchedulerStats
 from kvscale.worker.stats import IterationStats
@@ -23,6 +24,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "draining", "loading", "engine_dead", "invalid")
 
 
 class _Twin:
@@ -59,6 +61,9 @@ class _Twin:
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # A scrape must not interleave with a record: it would see ours and vLLM's twin disagree,
+        # or a step half applied (tokens counted, the request not yet finished).
+        self._lock = threading.Lock()
         r, labels = self.registry, {"model_name": model_name}
 
         def twin(kind, names, doc, **kw):
@@ -160,14 +165,26 @@ class EngineMetrics:
         self.rejected = twin(
             Counter,
             ["kvscale_requests_rejected"],
-            "Requests refused before admission, by reason (queue_full, draining, loading, invalid).",
+            "Requests refused before admission, by reason (queue_full, draining, loading, engine_dead, "
+            "invalid).",
             extra_labels=("reason",),
         )
-        # Finished-reason children exist from the start, so rate() sees a zero before the first one.
+        # Labelled children exist from the start, so rate() sees a zero before the first event.
         for reason in FINISH_REASONS:
             self.finished.child(finished_reason=reason)
+        for reason in REJECT_REASONS:
+            self.rejected.child(reason=reason)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, consistent with whole `record` calls."""
+        with self._lock:
+            return generate_latest(self.registry)
 
     def record(self, it: IterationStats, sched: SchedulerStats, num_blocks: int) -> None:
+        with self._lock:
+            self._record(it, sched, num_blocks)
+
+    def _record(self, it: IterationStats, sched: SchedulerStats, num_blocks: int) -> None:
         self.kv_cache_usage.set(sched.kv_cache_usage)
         self.kv_cache_blocks.set(num_blocks)
         self.num_running.set(sched.num_running)
@@ -188,4 +205,5 @@ class EngineMetrics:
         self.spec_draft_tokens.inc(it.num_draft_tokens)
         self.spec_accepted_tokens.inc(it.num_accepted_tokens)
         for pos, n in enumerate(it.accepted_per_position):
+            self.spec_accepted_per_pos.child(position=str(pos))  # a position never accepted exports 0
             self.spec_accepted_per_pos.inc(n, position=str(pos))

@@ -65,13 +65,24 @@ def load_model(model_path: str, hf_config, max_position: int, device: torch.devi
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _safetensors_files(model_path)
+    total_bytes, done_bytes, next_report = sum(p.stat().st_size for p in files), 0, 0.1
     for n, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = _load_one(model, params, name, f.get_tensor(name))
+                tensor = f.get_tensor(name)
+                target = _load_one(model, params, name, tensor)
                 if target:
                     loaded.add(target)
-        logger.info("loaded weights %d/%d: %s", n, len(files), path.name)
+                done_bytes += tensor.numel() * tensor.element_size()
+                if done_bytes >= next_report * total_bytes:  # progress every 10% for big checkpoints
+                    logger.info(
+                        "loading weights: %d%% (file %d/%d, %s)",
+                        100 * done_bytes // total_bytes,
+                        n,
+                        len(files),
+                        path.name,
+                    )
+                    next_report = (int(10 * done_bytes / total_bytes) + 1) / 10
 
     model.tie_weights()
     missing = sorted(_expected_keys(model) - loaded)

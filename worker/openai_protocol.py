@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from kvscale.worker.sampling_params import SamplingParams
 
@@ -59,20 +59,27 @@ class _SamplingFields(BaseModel):
     # vLLM's extras
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
-        return self
+    # Field validators (not model validators), so that the 400's `param` names the field.
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("not supported")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream=true")
+        return v
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -102,22 +109,34 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Strict ints: JSON true/false must not pass as token ids 1/0.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
-        return self
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must not be empty")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("values other than n are not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("not supported")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -160,15 +179,26 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        return self
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v and v.get("type", "text") != "text":
+            raise ValueError("types other than text are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs=true")
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:

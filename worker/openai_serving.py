@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from aiohttp import web
@@ -42,7 +43,13 @@ def _bad_request(message: str, param: str | None = None, code: str | None = None
 async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         payload = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except web.RequestPayloadError as e:  # e.g. a body that does not match its Content-Encoding
+        raise _bad_request(f"the request body cannot be read: {e}") from None
+    except web.HTTPClientError as e:  # aiohttp's own refusal, e.g. 413 for a body over client_max_size
+        raise APIError(e.status, e.text or e.reason) from None
+    except LookupError as e:  # an unknown charset in Content-Type
+        raise _bad_request(f"the request body's charset is unknown: {e}") from None
+    except (ValueError, RecursionError) as e:  # also: not UTF-8, an int over 4300 digits, nested too deep
         raise _bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(payload, dict):
         raise _bad_request("the request body must be a JSON object")
@@ -116,11 +123,19 @@ class OpenAIServing:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        vocab = self.llm.engine.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise _bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return prompt
+            try:
+                prompt.encode()
+            except UnicodeEncodeError as e:  # a lone surrogate: JSON can carry "\ud800"
+                raise _bad_request(f"prompt is not valid Unicode: {e}", param="prompt") from None
+            ids = self.tokenizer.encode(prompt)
+        else:
+            vocab = self.llm.engine.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise _bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = prompt
+        if not ids:
+            raise _bad_request("prompt must not be empty", param="prompt")
+        return ids
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -187,7 +202,11 @@ class OpenAIServing:
         def choice(i: int, c: CompletionOutput, text: str, token_start: int) -> dict[str, Any]:
             logprobs = None
             if body.logprobs is not None and c.logprobs is not None:
-                logprobs = self.completion_logprobs(c.logprobs[token_start:])
+                # text_offset counts from the start of the choice's text, echoed prompt included.
+                offset = len(echo_text[i]) + sum(
+                    len(self.token_text(lp.token_id)) for lp in c.logprobs[:token_start]
+                )
+                logprobs = self.completion_logprobs(c.logprobs[token_start:], offset)
             return {
                 "index": i * body.n + c.index,
                 "text": text,
@@ -222,13 +241,13 @@ class OpenAIServing:
             request, request_id, prompts, params, body.include_usage, base, first_delta, choice
         )
 
-    def completion_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         tokens = [self.token_text(lp.token_id) for lp in lps]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
             "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
-            "text_offset": [],
+            "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
         }
 
     # -- /v1/chat/completions ------------------------------------------------------------------
@@ -311,6 +330,8 @@ class OpenAIServing:
                     finals[i] = out
         except EngineDeadError as e:
             raise APIError(500, str(e), type="server_error", code="engine_dead") from None
+        except ValueError as e:  # the engine refused the request (it can never run)
+            raise _bad_request(str(e)) from None
         return finals  # type: ignore[return-value]
 
     async def _stream(
@@ -332,14 +353,19 @@ class OpenAIServing:
                 "X-Request-Id": request_id,
             }
         )
-        await response.prepare(request)
         sent_text: dict[tuple[int, int], int] = {}  # per choice: characters and tokens already sent
         sent_tokens: dict[tuple[int, int], int] = {}
         closed: set[tuple[int, int]] = set()  # choices whose finish_reason went out
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
+        async def write(data: bytes) -> None:
+            # Headers go out with the first event, so a request the engine refuses is still a 400.
+            if not response.prepared:
+                await response.prepare(request)
+            await response.write(data)
+
         async def send(payload: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            await write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         try:
             async for i, out in self.run(prompts, params, request_id):
@@ -365,9 +391,13 @@ class OpenAIServing:
         except EngineDeadError as e:
             await send(APIError(500, str(e), type="server_error", code="engine_dead").body())
             return response
+        except ValueError as e:  # the engine refused the request before any output
+            if response.prepared:
+                raise
+            raise _bad_request(str(e)) from None
         if include_usage:
             await send({**base, "choices": [], "usage": usage(finals)})
-        await response.write(b"data: [DONE]\n\n")
+        await write(b"data: [DONE]\n\n")
         await response.write_eof()
         self._log(request_id, "stream", finals)
         return response

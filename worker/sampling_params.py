@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -42,6 +45,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the parameter when a value is out of range."""
+        floats = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        )
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         checks: list[tuple[bool, str]] = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"),
@@ -57,8 +71,8 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
-                self.repetition_penalty > 0.0,
-                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                0.01 <= self.repetition_penalty <= 100.0,
+                f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}",
             ),
             (
                 self.max_tokens is None or self.max_tokens >= 1,
@@ -85,7 +99,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 (vLLM's epsilon) dividing logits by the temperature overflows float32: greedy.
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

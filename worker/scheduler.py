@@ -144,6 +144,7 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import throughput
+from kvscale.worker.bench import serve, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvscale.worker.bench")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     throughput.add_parser(sub, [common])
+    serve.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
