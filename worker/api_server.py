@@ -165,7 +165,11 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     llm = AsyncLLM(engine_args, model_name)
     app = build_app(llm, engine_args, config)
     state: ServerState = app["state"]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    # auto_decompress=False: aiohttp 3.14 can hang on a deflate body that breaks at its end; a
+    # compressed body is then simply not JSON (a clear 400). Clients send plain JSON anyway.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, auto_decompress=False
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logger.info("listening", extra={"host": config.host, "port": config.port, "model": model_name})
