@@ -1,0 +1,313 @@
+// kvscale-controlplane: a real Kubernetes control plane in one process, for tests.
+//
+// It starts, in-process and built from the upstream Go modules of one release: etcd (embedded,
+// data under --dir), kube-apiserver (secure port on 127.0.0.1, its own CA, serving and admin
+// client certificates, RBAC and Node authorisation, service-account token signing) and
+// kube-controller-manager (the controllers a Deployment / Service / PDB / HPA needs). No scheduler
+// and no kubelet: the Python harness (e2e/cluster.py) plays the node.
+//
+// When everything answers it writes an admin kubeconfig and prints one line,
+//
+//	KVSCALE_CONTROLPLANE_READY kubeconfig=<path> server=<url>
+//
+// and on SIGTERM or SIGINT it stops the controllers, the API server and etcd, then exits 0.
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"flag"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/pflag"
+	"go.etcd.io/etcd/server/v3/embed"
+	"k8s.io/klog/v2"
+	apiserverapp "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	apiserveroptions "k8s.io/kubernetes/cmd/kube-apiserver/app/options"
+	kcmapp "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	kcmoptions "k8s.io/kubernetes/cmd/kube-controller-manager/app/options"
+)
+
+// The controllers our operator and its tests rely on; node lifecycle, scheduling-related and
+// cloud controllers stay off (with no kubelet they would only taint and evict).
+var controllers = []string{
+	"deployment-controller",
+	"replicaset-controller",
+	"garbage-collector-controller",
+	"serviceaccount-controller",
+	"serviceaccount-token-controller",
+	"endpoints-controller",
+	"endpointslice-controller",
+	"namespace-controller",
+	"disruption-controller",
+	"horizontal-pod-autoscaler-controller",
+	"root-ca-certificate-publisher-controller",
+	"pod-garbage-collector-controller",
+}
+
+func main() {
+	dir := flag.String("dir", "", "state directory (etcd data, certificates, kubeconfig); created if missing")
+	port := flag.Int("port", 0, "kube-apiserver secure port on 127.0.0.1 (0: a free one)")
+	verbosity := flag.Int("v", 0, "log verbosity of the Kubernetes components")
+	flag.Parse()
+	if *dir == "" {
+		fmt.Fprintln(os.Stderr, "--dir is required")
+		os.Exit(2)
+	}
+	if err := run(*dir, *port, *verbosity); err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+}
+
+func run(dir string, port, verbosity int) error {
+	started := time.Now()
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(klogFlags)
+	_ = klogFlags.Set("v", fmt.Sprint(verbosity))
+	_ = klogFlags.Set("logtostderr", "true")
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	pki, err := ensurePKI(filepath.Join(dir, "pki"))
+	if err != nil {
+		return fmt.Errorf("certificates: %w", err)
+	}
+	if port == 0 {
+		if port, err = freePort(); err != nil {
+			return err
+		}
+	}
+	server := fmt.Sprintf("https://127.0.0.1:%d", port)
+
+	etcd, etcdURL, err := startEtcd(filepath.Join(dir, "etcd"))
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	defer etcd.Close()
+
+	apiserverDone := make(chan error, 1)
+	go func() { apiserverDone <- runAPIServer(ctx, apiserverArgs(pki, port, etcdURL, verbosity)) }()
+	if err := waitReady(ctx, server, pki, apiserverDone); err != nil {
+		return fmt.Errorf("kube-apiserver: %w", err)
+	}
+
+	kubeconfig := filepath.Join(dir, "admin.kubeconfig")
+	if err := writeKubeconfig(kubeconfig, server, pki); err != nil {
+		return err
+	}
+	kcmDone := make(chan error, 1)
+	go func() { kcmDone <- runControllerManager(ctx, kcmArgs(pki, kubeconfig, verbosity)) }()
+
+	fmt.Printf("KVSCALE_CONTROLPLANE_READY kubeconfig=%s server=%s startup_s=%.2f\n",
+		kubeconfig, server, time.Since(started).Seconds())
+
+	select {
+	case <-ctx.Done():
+	case err := <-apiserverDone:
+		return fmt.Errorf("kube-apiserver stopped: %w", err)
+	case err := <-kcmDone:
+		return fmt.Errorf("kube-controller-manager stopped: %w", err)
+	}
+	// Shutdown: cancelling ctx stops the controllers and the API server; wait for the API
+	// server to drain, then etcd closes (deferred).
+	select {
+	case <-apiserverDone:
+	case <-time.After(30 * time.Second):
+		fmt.Fprintln(os.Stderr, "kube-apiserver did not stop within 30s")
+	}
+	return nil
+}
+
+func apiserverArgs(p pkiPaths, port int, etcdURL string, verbosity int) []string {
+	return []string{
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		// The default endpoint reconciler refuses a loopback address; nothing here needs the
+		// endpoints of the `kubernetes` Service.
+		"--endpoint-reconciler-type=none",
+		fmt.Sprintf("--secure-port=%d", port),
+		"--etcd-servers=" + etcdURL,
+		"--tls-cert-file=" + p.serverCert,
+		"--tls-private-key-file=" + p.serverKey,
+		"--client-ca-file=" + p.caCert,
+		"--authorization-mode=Node,RBAC",
+		"--service-account-key-file=" + p.saPub,
+		"--service-account-signing-key-file=" + p.saKey,
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--api-audiences=https://kubernetes.default.svc",
+		"--service-cluster-ip-range=10.96.0.0/16",
+		"--enable-admission-plugins=NodeRestriction",
+		"--enable-priority-and-fairness=false",
+		"--shutdown-delay-duration=0s",
+		"--profiling=false",
+		fmt.Sprintf("--v=%d", verbosity),
+	}
+}
+
+func kcmArgs(p pkiPaths, kubeconfig string, verbosity int) []string {
+	return []string{
+		"--kubeconfig=" + kubeconfig,
+		"--authentication-kubeconfig=" + kubeconfig,
+		"--authorization-kubeconfig=" + kubeconfig,
+		"--controllers=" + strings.Join(controllers, ","),
+		"--service-account-private-key-file=" + p.saKey,
+		"--root-ca-file=" + p.caCert,
+		"--use-service-account-credentials=false",
+		"--leader-elect=false",
+		"--bind-address=127.0.0.1",
+		"--secure-port=0",
+		// Fast reaction for tests: the garbage collector and the HPA sync more often.
+		"--horizontal-pod-autoscaler-sync-period=5s",
+		fmt.Sprintf("--v=%d", verbosity),
+	}
+}
+
+// runAPIServer is kube-apiserver's own command without its signal handler (one process may only
+// install one, and this one owns SIGTERM).
+func runAPIServer(ctx context.Context, args []string) error {
+	s := apiserveroptions.NewServerRunOptions()
+	fs := pflag.NewFlagSet("kube-apiserver", pflag.ContinueOnError)
+	for _, f := range s.Flags().FlagSets {
+		fs.AddFlagSet(f)
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := s.GenericServerRunOptions.ComponentGlobalsRegistry.Set(); err != nil {
+		return err
+	}
+	completed, err := s.Complete(ctx)
+	if err != nil {
+		return err
+	}
+	if errs := completed.Validate(); len(errs) != 0 {
+		return fmt.Errorf("%v", errs)
+	}
+	return apiserverapp.Run(ctx, completed)
+}
+
+// runControllerManager is kube-controller-manager's own command, driven by our context.
+func runControllerManager(ctx context.Context, args []string) error {
+	s, err := kcmoptions.NewKubeControllerManagerOptions()
+	if err != nil {
+		return err
+	}
+	known, disabled, aliases := kcmapp.KnownControllers(), kcmapp.ControllersDisabledByDefault(), kcmapp.ControllerAliases()
+	named := s.Flags(known, disabled, aliases)
+	s.ParsedFlags = &named
+	fs := pflag.NewFlagSet("kube-controller-manager", pflag.ContinueOnError)
+	for _, f := range named.FlagSets {
+		fs.AddFlagSet(f)
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := s.ComponentGlobalsRegistry.Set(); err != nil {
+		return err
+	}
+	c, err := s.Config(ctx, known, disabled, aliases)
+	if err != nil {
+		return err
+	}
+	return kcmapp.Run(ctx, c.Complete())
+}
+
+func startEtcd(dataDir string) (*embed.Etcd, string, error) {
+	clientPort, err := freePort()
+	if err != nil {
+		return nil, "", err
+	}
+	peerPort, err := freePort()
+	if err != nil {
+		return nil, "", err
+	}
+	cfg := embed.NewConfig()
+	cfg.Dir = dataDir
+	cfg.Logger = "zap"
+	cfg.LogLevel = "error"
+	clientURL := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", clientPort)}
+	peerURL := url.URL{Scheme: "http", Host: fmt.Sprintf("127.0.0.1:%d", peerPort)}
+	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{clientURL}, []url.URL{clientURL}
+	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{peerURL}, []url.URL{peerURL}
+	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	select {
+	case <-e.Server.ReadyNotify():
+		return e, clientURL.String(), nil
+	case <-time.After(60 * time.Second):
+		e.Close()
+		return nil, "", fmt.Errorf("etcd not ready after 60s")
+	}
+}
+
+// waitReady polls /readyz with the admin certificate until it answers 200.
+func waitReady(ctx context.Context, server string, p pkiPaths, done <-chan error) error {
+	client, err := adminHTTPClient(p)
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(120 * time.Second)
+	for time.Now().Before(deadline) {
+		select {
+		case err := <-done:
+			return fmt.Errorf("exited before ready: %w", err)
+		case <-ctx.Done():
+			return ctx.Err()
+		default:
+		}
+		resp, err := client.Get(server + "/readyz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return fmt.Errorf("/readyz not OK after 120s")
+}
+
+func adminHTTPClient(p pkiPaths) (*http.Client, error) {
+	cert, err := tls.LoadX509KeyPair(p.adminCert, p.adminKey)
+	if err != nil {
+		return nil, err
+	}
+	pool, err := loadCertPool(p.caCert)
+	if err != nil {
+		return nil, err
+	}
+	return &http.Client{
+		Timeout:   5 * time.Second,
+		Transport: &http.Transport{TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool}},
+	}, nil
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
