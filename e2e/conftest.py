@@ -22,7 +22,7 @@ class Cluster:
     kubeconfig: Path
     api: client.ApiClient
     local: bool  # our control plane and node stand-in (False: an external cluster)
-    state_dir: Path | None = None
+    state_dir: Path | None = None  # local only: logs, the audit log, each pod's output under pods/
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True):
         return kubectl(self.kubeconfig, *args, input=input, check=check)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
 import logging
 import os
 import re
@@ -61,8 +62,11 @@ class PodProcess:
 
 class NodeAgent:
     def __init__(self, kubeconfig: Path | str, log_dir: Path, label_selector: str | None = None) -> None:
-        self.api = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+        api_client = config.new_client_from_config(str(kubeconfig))
+        self.api = client.CoreV1Api(api_client)
         self.log_dir = Path(log_dir)
+        self._server = api_client.configuration.host
+        self._ca_file = self.log_dir / "ca.crt"
         self.label_selector = label_selector
         self.pods: dict[str, PodProcess] = {}  # by pod uid
         self._free_ips = [f"127.0.0.{i}" for i in range(2, 255)]
@@ -75,6 +79,7 @@ class NodeAgent:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._ca_file.write_bytes(Path(self.api.api_client.configuration.ssl_ca_cert).read_bytes())
         self._register_node()
         for target in (self._watch_pods, self._probe_loop):
             t = threading.Thread(target=target, daemon=True, name=f"node-{target.__name__}")
@@ -172,7 +177,16 @@ class NodeAgent:
                 raise
 
     def _env(self, pod, container, ip: str) -> dict[str, str]:
-        env = {"PATH": self.path, "HOME": os.environ.get("HOME", "/tmp"), "PYTHONUNBUFFERED": "1"}
+        # KVSCALE_HOST: processes share this host's network, so a kvscale worker is told to listen
+        # on its pod's address (in a real pod it listens on all addresses of its own namespace).
+        env = {
+            "PATH": self.path,
+            "HOME": os.environ.get("HOME", "/tmp"),
+            "PYTHONUNBUFFERED": "1",
+            "KVSCALE_HOST": ip,
+        }
+        if pod.spec.automount_service_account_token is not False:
+            env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "LANG"):
             if key in os.environ:
                 env[key] = os.environ[key]
@@ -195,6 +209,34 @@ class NodeAgent:
                 secret = self.api.read_namespaced_secret(ref.name, pod.metadata.namespace)
                 env[var.name] = base64.b64decode((secret.data or {}).get(ref.key, "")).decode()
         return env
+
+    def _service_account_kubeconfig(self, pod) -> Path:
+        """The pod's service-account credentials, as a kubelet would project them, but handed over
+        as a kubeconfig (a process here cannot see /var/run/secrets of its own)."""
+        sa = pod.spec.service_account_name or "default"
+        request = client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=24 * 3600)
+        )
+        token = self.api.create_namespaced_service_account_token(
+            sa, pod.metadata.namespace, request
+        ).status.token
+        path = self.log_dir / f"{pod.metadata.namespace}_{pod.metadata.name}.kubeconfig"
+        ns = pod.metadata.namespace
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "c",
+                    "cluster": {"server": self._server, "certificate-authority": str(self._ca_file)},
+                }
+            ],
+            "users": [{"name": sa, "user": {"token": token}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
+            "current-context": "c",
+        }
+        path.write_text(json.dumps(kubeconfig))  # JSON is YAML
+        return path
 
     def _run(self, pod) -> None:
         with self._lock:

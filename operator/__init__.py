@@ -1,1 +1,4 @@
-"""kvscale operator (see issue: Operator)."""
+"""kvscale operator: the InferenceDeployment resource, its reconciliation and its autoscaler.
+
+Imports nothing heavy (no torch): the operator image carries only kopf, kubernetes and pydantic.
+"""

@@ -1,9 +1,24 @@
-"""kvscale worker: a paged-KV, continuously batching inference engine and its server."""
+"""kvscale worker: a paged-KV, continuously batching inference engine and its server.
 
-from kvscale.worker.config import EngineArgs
-from kvscale.worker.engine import LLMEngine
-from kvscale.worker.llm import LLM
-from kvscale.worker.outputs import CompletionOutput, RequestOutput
-from kvscale.worker.sampling_params import SamplingParams
+The public names load lazily, so light modules of this package (json_logging, for one, which
+the operator shares) can be imported without importing torch.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "LLMEngine", "RequestOutput", "SamplingParams"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "kvscale.worker.llm",
+    "CompletionOutput": "kvscale.worker.outputs",
+    "EngineArgs": "kvscale.worker.config",
+    "LLMEngine": "kvscale.worker.engine",
+    "RequestOutput": "kvscale.worker.outputs",
+    "SamplingParams": "kvscale.worker.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

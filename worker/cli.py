@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -26,20 +27,41 @@ DEFAULT_PROMPTS = [
 ]
 
 
+BUILTIN = "builtin://tiny-llama"
+
+
+def resolve_model(model: str | None) -> str:
+    """A model folder path; none, or `builtin://tiny-llama`, means the built-in tiny model."""
+    if not model or model == BUILTIN:
+        return _default_model()
+    if model.startswith("builtin://"):
+        raise ValueError(f"unknown built-in model {model!r}; the one built-in model is {BUILTIN}")
+    return model.removeprefix("file://")
+
+
 def _default_model() -> str:
+    import os
+    import shutil
+
     from kvscale.worker.tiny_model import build_tiny_model, default_model_dir
 
     path = default_model_dir()
     if not (path / "model.safetensors").is_file():
         print(f"building the built-in tiny model in {path} (random weights, no download)...", file=sys.stderr)
-        build_tiny_model(path)
+        # Built aside and renamed into place: workers starting together never see half a folder.
+        scratch = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        build_tiny_model(scratch)
+        try:
+            scratch.rename(path)
+        except OSError:  # another process finished first
+            shutil.rmtree(scratch, ignore_errors=True)
     return str(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvscale.worker import LLM, SamplingParams
 
-    args.model = args.model or _default_model()
+    args.model = resolve_model(args.model)
     engine_args = EngineArgs.from_cli_args(args)
     started = time.monotonic()
     llm = LLM(**vars(engine_args))
@@ -71,11 +93,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
 
     from kvscale.worker.api_server import ServerConfig, serve
 
-    args.model = args.model or _default_model()
+    args.model = resolve_model(args.model)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -106,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     EngineArgs.add_cli_args(srv, model_required=False)
-    srv.add_argument("--host", default="0.0.0.0")
+    srv.add_argument(
+        "--host", default=os.environ.get("KVSCALE_HOST", "0.0.0.0"), help="listen address (env KVSCALE_HOST)"
+    )
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
         "--served-model-name", default=None, help="the name clients pass as `model` (default: --model)"

@@ -1,0 +1,328 @@
+"""The operator against a real API server: the CRD refuses bad resources, an InferenceDeployment
+becomes running worker pods that answer completions, spec changes roll out, status tells the truth,
+restarts converge without touching unchanged children, deletion collects everything, and the
+operator does all of it under the RBAC of manifests/ (checked in the API server's audit log)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from model_fixtures import TARGET
+from test_controlplane import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+OPERATOR_NS, OPERATOR = "kvscale-system", "kvscale-operator"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
+GROUP, VERSION, PLURAL = "kvscale.dev", "v1alpha1", "inferencedeployments"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster):
+    """crds/ and manifests/ applied as a user would; the operator pods run (on the node stand-in,
+    under the ServiceAccount of manifests/) until one holds the lease."""
+    if not TARGET.is_dir():
+        pytest.skip("needs ../shared/models/tiny-code-target for the worker pods")
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    cluster.kubectl("apply", "--server-side", "-k", str(REPO / "manifests"))
+    cluster.kubectl("rollout", "status", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--timeout=120s")
+    coord = client.CoordinationV1Api(cluster.api)
+
+    def leader():
+        try:
+            return coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
+        except client.ApiException:
+            return None
+
+    wait_for(leader, timeout=60, what="an operator to take the lease")
+    return cluster
+
+
+@pytest.fixture
+def namespace(operator):
+    name = f"op-{uuid.uuid4().hex[:6]}"
+    operator.kubectl("create", "namespace", name)
+    yield name
+    operator.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def example(name: str, namespace: str, **spec_overrides) -> dict:
+    doc = yaml.safe_load((REPO / "manifests" / "examples" / "tiny-cpu.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": namespace}
+    doc["spec"]["model"]["uri"] = str(TARGET)  # the stand-in node runs workers on this machine
+    for key, value in spec_overrides.items():
+        doc["spec"][key] = value
+    return doc
+
+
+def apply(cluster, doc: dict) -> None:
+    cluster.kubectl("apply", "--server-side", "--field-manager=e2e-user", "-f", "-", input=json.dumps(doc))
+
+
+def get_cr(cluster, name: str, namespace: str) -> dict:
+    return client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+
+
+def condition(cr: dict, type_: str) -> dict:
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def wait_ready(cluster, name: str, namespace: str, replicas: int, timeout: float = 180) -> dict:
+    def ready():
+        cr = get_cr(cluster, name, namespace)
+        status = cr.get("status") or {}
+        ok = condition(cr, "Ready").get("status") == "True" and status.get("readyReplicas") == replicas
+        return cr if ok and status.get("observedGeneration") == cr["metadata"]["generation"] else None
+
+    return wait_for(ready, timeout=timeout, interval=0.5, what=f"{name} to be Ready with {replicas} workers")
+
+
+def children_versions(cluster, name: str, namespace: str) -> dict[str, str]:
+    apps, core, policy = (
+        client.AppsV1Api(cluster.api),
+        client.CoreV1Api(cluster.api),
+        client.PolicyV1Api(cluster.api),
+    )
+    return {
+        "Deployment": apps.read_namespaced_deployment(name, namespace).metadata.resource_version,
+        "Service": core.read_namespaced_service(name, namespace).metadata.resource_version,
+        "PodDisruptionBudget": policy.read_namespaced_pod_disruption_budget(
+            name, namespace
+        ).metadata.resource_version,
+    }
+
+
+def complete(pod_ip: str, served_name: str) -> dict:
+    body = json.dumps(
+        {"model": served_name, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+    )
+    request = urllib.request.Request(
+        f"http://{pod_ip}:8000/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"model": {"uri": "/m"}, "replicas": 1, "autoscaling": {"maxReplicas": 2}},
+            "set either replicas or autoscaling",
+        ),
+        (
+            {"model": {"uri": "/m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+            "spec.autoscaling.minReplicas",
+        ),
+        ({"model": {"uri": "/m"}, "autoscaling": {"maxReplicas": 0}}, "spec.autoscaling.maxReplicas"),
+        (
+            {"model": {"uri": "/m"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+            "minReplicas must not exceed",
+        ),
+        ({"model": {"uri": "/m"}, "replicas": -1}, "spec.replicas"),
+        ({"model": {"uri": "/m"}, "speculative": {"method": "medusa"}}, 'Unsupported value: "medusa"'),
+        ({"model": {"uri": "/m"}, "speculative": {"method": "draft"}}, "method draft needs draftModelUri"),
+        ({"engine": {"maxNumSeqs": 8}}, "spec.model: Required value"),
+        ({"model": {"uri": "https://hub/model"}}, "spec.model.uri"),
+    ],
+)
+def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, spec, message):
+    doc = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": "bad"},
+        "spec": spec,
+    }
+    result = operator.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert operator.kubectl("get", "infd", "-n", namespace, "-o", "name").stdout == ""
+
+
+def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operator, namespace):
+    if not operator.local:
+        pytest.skip("runs the fixture model on the node stand-in")
+    doc = example("tiny", namespace)
+    apply(operator, doc)
+    cr = wait_ready(operator, "tiny", namespace, replicas=2)
+    uid = cr["metadata"]["uid"]
+    assert cr["status"]["ready"] == "2/2" and condition(cr, "Degraded")["status"] == "False"
+    assert (
+        cr["status"]["selector"]
+        == "app.kubernetes.io/name=kvscale-worker,kvscale.dev/inference-deployment=tiny"
+    )
+
+    apps, core, policy = (
+        client.AppsV1Api(operator.api),
+        client.CoreV1Api(operator.api),
+        client.PolicyV1Api(operator.api),
+    )
+    for child in (
+        apps.read_namespaced_deployment("tiny", namespace),
+        core.read_namespaced_service("tiny", namespace),
+        policy.read_namespaced_pod_disruption_budget("tiny", namespace),
+    ):
+        (ref,) = child.metadata.owner_references
+        assert (ref.kind, ref.name, ref.uid, ref.controller) == ("InferenceDeployment", "tiny", uid, True)
+    pods = core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
+    assert len(pods) == 2 and all(p.status.pod_ip.startswith("127.0.0.") for p in pods)
+    answer = complete(pods[0].status.pod_ip, "tiny")
+    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+    printed = operator.kubectl("get", "infd", "tiny", "-n", namespace).stdout
+    assert "2/2" in printed and "AllWorkersReady" in printed
+    events = operator.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=tiny"
+    ).stdout
+    assert "Created" in events and "ReadyTrue" in events
+
+    # Re-applying the same resource writes nothing to any child.
+    before = children_versions(operator, "tiny", namespace)
+    apply(operator, doc)
+    time.sleep(5)
+    assert children_versions(operator, "tiny", namespace) == before
+
+    # An engine change rolls the workers through the Deployment: Progressing, then Ready again.
+    old_pods = {p.metadata.name for p in pods}
+    changed = copy.deepcopy(doc)
+    changed["spec"]["engine"]["maxNumSeqs"] = 8
+    apply(operator, changed)
+    wait_for(
+        lambda: condition(get_cr(operator, "tiny", namespace), "Progressing").get("status") == "True",
+        timeout=60,
+        interval=0.2,
+        what="Progressing=True during the rollout",
+    )
+    cr = wait_ready(operator, "tiny", namespace, replicas=2)
+    assert condition(cr, "Progressing")["status"] == "False"
+    new_pods = core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
+    new_pods = [p for p in new_pods if p.metadata.deletion_timestamp is None]
+    assert old_pods.isdisjoint(p.metadata.name for p in new_pods)
+    for p in new_pods:
+        args = p.spec.containers[0].args
+        assert args[args.index("--max-num-seqs") + 1] == "8"
+
+    # Deleting the resource collects every child.
+    client.CustomObjectsApi(operator.api).delete_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "tiny"
+    )
+    wait_for(
+        lambda: not apps.list_namespaced_deployment(namespace).items, what="the Deployment to be collected"
+    )
+    wait_for(lambda: not core.list_namespaced_service(namespace).items, what="the Service to be collected")
+    wait_for(
+        lambda: not policy.list_namespaced_pod_disruption_budget(namespace).items,
+        what="the PDB to be collected",
+    )
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace).items, timeout=90, what="the worker pods to be gone"
+    )
+
+
+def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operator, namespace):
+    if not operator.local:
+        pytest.skip("kills the operator process on the node stand-in")
+    core = client.CoreV1Api(operator.api)
+    coord = client.CoordinationV1Api(operator.api)
+    leader = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
+    pod = core.read_namespaced_pod(leader, OPERATOR_NS)
+    pid = int(pod.status.container_statuses[0].container_id.rsplit("/", 1)[1])
+
+    apply(operator, example("crash", namespace, replicas=1))
+    wait_for(
+        lambda: client.AppsV1Api(operator.api).list_namespaced_deployment(namespace).items,
+        interval=0.05,
+        what="the reconcile to start",
+    )
+    os.kill(pid, signal.SIGKILL)  # mid-reconcile: the Service and PDB may not exist yet
+
+    cr = wait_ready(operator, "crash", namespace, replicas=1, timeout=180)
+    assert cr["status"]["ready"] == "1/1"
+    for kind, lister in (
+        ("Deployment", client.AppsV1Api(operator.api).list_namespaced_deployment),
+        ("Service", core.list_namespaced_service),
+        ("PodDisruptionBudget", client.PolicyV1Api(operator.api).list_namespaced_pod_disruption_budget),
+    ):
+        assert [o.metadata.name for o in lister(namespace).items] == ["crash"], kind
+    replica_sets = client.AppsV1Api(operator.api).list_namespaced_replica_set(namespace).items
+    assert len(replica_sets) == 1  # the restart did not produce a second pod template
+
+    # A later restart (a new leader resuming every resource) writes nothing to converged children.
+    before = children_versions(operator, "crash", namespace)
+    leader = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
+    operator.kubectl("delete", "pod", leader, "-n", OPERATOR_NS, "--wait=false")
+    wait_for(
+        lambda: coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity not in (None, leader),
+        timeout=90,
+        interval=0.5,
+        what="another operator to take over",
+    )
+    time.sleep(8)  # the new leader resumes and re-applies everything
+    assert children_versions(operator, "crash", namespace) == before
+
+
+def test_only_the_lease_holder_acts(operator):
+    if not operator.local:
+        pytest.skip("reads the operator processes' logs on the node stand-in")
+    pods = client.CoreV1Api(operator.api).list_namespaced_pod(
+        OPERATOR_NS, label_selector="app.kubernetes.io/name=kvscale-operator"
+    )
+    running = [p for p in pods.items if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
+    assert len(running) == 2
+    leader = (
+        client.CoordinationV1Api(operator.api)
+        .read_namespaced_lease(OPERATOR, OPERATOR_NS)
+        .spec.holder_identity
+    )
+    logs = {
+        p.metadata.name: (operator.state_dir / "pods" / f"{OPERATOR_NS}_{p.metadata.name}.log").read_text()
+        for p in running
+    }
+    standby = [name for name in logs if name != leader]
+    assert leader in logs and len(standby) == 1
+    assert '"msg": "leading"' in logs[leader]
+    assert '"msg": "leading"' not in logs[standby[0]] and "waiting for the lease" in logs[standby[0]]
+
+
+def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator):
+    """Runs last in this module: by now the operator has done all it does. The API server's audit
+    log lists every request the operator's ServiceAccount made."""
+    if not operator.local:
+        pytest.skip("reads the local API server's audit log")
+    used: Counter = Counter()
+    forbidden = []
+    for line in (operator.state_dir / "audit.log").read_text().splitlines():
+        event = json.loads(line)
+        if event["user"]["username"] != OPERATOR_USER or "objectRef" not in event:
+            continue
+        ref = event["objectRef"]
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used[(ref.get("apiGroup", ""), resource, event["verb"])] += 1
+        if event["verb"] == "patch" and event.get("responseStatus", {}).get("code") == 201:
+            used[(ref.get("apiGroup", ""), resource, "create")] += 1  # a server-side apply that created
+        if event.get("responseStatus", {}).get("code") == 403:
+            forbidden.append((resource, event["verb"], event["requestURI"]))
+    assert not forbidden, forbidden
+
+    granted = set()
+    docs = yaml.safe_load_all((REPO / "manifests" / "rbac.yaml").read_text())
+    for doc in docs:
+        if doc and doc["kind"] in ("ClusterRole", "Role"):
+            for rule in doc["rules"]:
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            granted.add((group, resource, verb))
+    unused = sorted(g for g in granted if g not in used)
+    assert not unused, f"RBAC grants verbs the operator never used: {unused}; used: {sorted(used)}"

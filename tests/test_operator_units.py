@@ -1,0 +1,264 @@
+"""The operator's pure parts: the CRD is generated from the models and committed, the children
+say what the spec asks, status follows the Deployment, and the lease decision."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from kvscale.operator.children import (
+    LABEL_MANAGED_BY,
+    LABEL_OWNER,
+    PRESTOP_SECONDS,
+    Owner,
+    children,
+    deployment,
+    selector_string,
+)
+from kvscale.operator.crd import crd, crd_yaml, reference_markdown
+from kvscale.operator.leader import may_hold
+from kvscale.operator.models import InferenceDeploymentSpec
+from kvscale.operator.status import compute_status
+
+REPO = Path(__file__).resolve().parents[1]
+OWNER = Owner("tiny", "ns", "uid-1")
+
+
+def spec(**fields) -> InferenceDeploymentSpec:
+    return InferenceDeploymentSpec.model_validate({"model": {"uri": "/models/tiny"}, **fields})
+
+
+def test_committed_crd_is_generated_from_the_models():
+    committed = (REPO / "crds" / "inferencedeployments.kvscale.dev.yaml").read_text()
+    assert committed == crd_yaml(), (
+        "crds/ is stale: run `kvscale-operator crd > crds/inferencedeployments.kvscale.dev.yaml`"
+    )
+
+
+def test_crd_schema_is_structural_and_documented():
+    version = crd()["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+    def walk(node: dict, path: str) -> None:
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        for name, sub in node.get("properties", {}).items():
+            assert sub.get("description"), (
+                f"{path}.{name} has no description (kubectl explain would be empty)"
+            )
+            walk(sub, f"{path}.{name}")
+        if "items" in node:
+            walk(node["items"], path + "[]")
+
+    walk(schema, "spec")
+    assert schema["required"] == ["model"]
+    assert schema["x-kubernetes-validations"][0]["message"] == "set either replicas or autoscaling, not both"
+    assert schema["properties"]["speculative"]["properties"]["method"]["enum"] == ["draft", "ngram"]
+    assert schema["properties"]["autoscaling"]["properties"]["minReplicas"]["minimum"] == 1
+    assert "default" not in schema["properties"]["replicas"]  # a default would collide with autoscaling
+    assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model",
+        "Ready",
+        "KV Usage",
+        "Status",
+        "Age",
+    ]
+    assert "| `spec.engine.maxNumSeqs` | integer | `256` |" in reference_markdown()
+
+
+def test_models_refuse_what_the_schema_refuses():
+    with pytest.raises(ValidationError):
+        spec(autoscaling={"minReplicas": 0, "maxReplicas": 2})
+    with pytest.raises(ValidationError):
+        spec(speculative={"method": "medusa"})
+    with pytest.raises(ValidationError):
+        InferenceDeploymentSpec.model_validate({"replicas": 1})
+    with pytest.raises(ValidationError):
+        spec(model={"uri": "http://example.com/model"})
+    assert spec().desired_replicas == 1
+    assert spec(replicas=3).desired_replicas == 3
+    assert spec(autoscaling={"maxReplicas": 3}).desired_replicas is None
+
+
+def test_children_are_owned_labelled_and_follow_the_spec():
+    s = spec(
+        replicas=2,
+        engine={
+            "maxNumSeqs": 16,
+            "maxModelLen": 1024,
+            "enablePrefixCaching": False,
+            "extraArgs": ["--seed", "7"],
+        },
+        server={"drainTimeoutSeconds": 20, "startupTimeoutSeconds": 300, "apiKeySecret": "keys"},
+        resources={"gpus": 1, "cpu": "4", "memory": "16Gi"},
+        nodeSelector={"gpu": "h100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        env=[
+            {"name": "A", "value": "1"},
+            {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+    )
+    objs = children(OWNER, s, "img:1")
+    assert [o["kind"] for o in objs] == ["Deployment", "Service", "PodDisruptionBudget"]
+    for o in objs:
+        ref = o["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == "uid-1" and ref["controller"] and ref["kind"] == "InferenceDeployment"
+        assert o["metadata"]["labels"][LABEL_MANAGED_BY] == "kvscale-operator"
+        assert o["metadata"]["labels"][LABEL_OWNER] == "tiny"
+    dep = objs[0]
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = c["args"]
+    assert args[:3] == ["serve", "--model", "/models/tiny"]
+    assert (
+        args[args.index("--max-num-seqs") + 1] == "16" and args[args.index("--max-model-len") + 1] == "1024"
+    )
+    assert "--no-enable-prefix-caching" in args and args[-2:] == ["--seed", "7"]
+    assert args[args.index("--served-model-name") + 1] == "tiny"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["requests"]["cpu"] == "4"
+    assert (
+        c["readinessProbe"]["httpGet"]["path"] == "/ready"
+        and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    )
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300
+    assert pod["terminationGracePeriodSeconds"] > 20 + PRESTOP_SECONDS
+    assert pod["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["KVSCALE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+    assert env["A"]["value"] == "1" and env["B"]["valueFrom"]["secretKeyRef"]["name"] == "s"
+    assert objs[1]["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert objs[2]["spec"]["maxUnavailable"] == 1
+
+
+def test_autoscaling_leaves_replicas_to_the_autoscaler_and_pvc_models_are_mounted():
+    s = spec(
+        model={"uri": "pvc://models/llama-8b"},
+        speculative={"method": "draft", "draftModelUri": "pvc://models/llama-1b", "numSpeculativeTokens": 5},
+        autoscaling={"minReplicas": 1, "maxReplicas": 4},
+    )
+    dep = deployment(OWNER, s, "img")
+    assert "replicas" not in dep["spec"]
+    pod = dep["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/models/llama-8b"
+    assert args[args.index("--draft-model") + 1] == "/models/models/llama-1b"
+    assert args[args.index("--speculative-method") + 1] == "draft"
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert len(claims) == 1 and claims[0]["persistentVolumeClaim"] == {
+        "claimName": "models",
+        "readOnly": True,
+    }
+
+
+def deployment_status(
+    want: int, ready: int, updated: int, replicas: int, generation: int = 1, observed: int = 1
+):
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": want},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+        },
+    }
+
+
+def test_status_follows_the_deployment_and_keeps_transition_times():
+    common = {"name": "tiny", "generation": 3, "selector": selector_string("tiny")}
+    creating = compute_status(**common, desired=2, deployment=None, previous_conditions=[], now="t0")
+    cond = {c["type"]: c for c in creating["conditions"]}
+    assert cond["Ready"]["status"] == "False" and cond["Progressing"]["reason"] == "Creating"
+    rolling = compute_status(
+        **common,
+        desired=2,
+        deployment=deployment_status(2, 1, 1, 3),
+        previous_conditions=creating["conditions"],
+        now="t1",
+    )
+    cond = {c["type"]: c for c in rolling["conditions"]}
+    assert cond["Progressing"]["reason"] == "RollingOut" and cond["Ready"]["reason"] == "PartiallyReady"
+    assert cond["Ready"]["lastTransitionTime"] == "t0"  # still False: no transition
+    done = compute_status(
+        **common,
+        desired=2,
+        deployment=deployment_status(2, 2, 2, 2),
+        previous_conditions=rolling["conditions"],
+        now="t2",
+    )
+    cond = {c["type"]: c for c in done["conditions"]}
+    assert cond["Ready"]["status"] == "True" and cond["Ready"]["lastTransitionTime"] == "t2"
+    assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
+    assert done["ready"] == "2/2" and done["observedGeneration"] == 3
+    # A Deployment that has not yet seen its new spec is not Ready, whatever its counts say.
+    stale = compute_status(
+        **common,
+        desired=2,
+        deployment=deployment_status(2, 2, 2, 2, generation=2, observed=1),
+        previous_conditions=[],
+        now="t",
+    )
+    assert {c["type"]: c["status"] for c in stale["conditions"]}["Ready"] == "False"
+
+
+def test_status_reports_failures_and_scale_to_zero():
+    common = {"name": "x", "generation": 1, "selector": "s", "now": "t"}
+    failing = deployment_status(1, 0, 1, 1)
+    failing["status"]["conditions"] = [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": "too slow",
+        }
+    ]
+    cond = {
+        c["type"]: c
+        for c in compute_status(**common, desired=1, deployment=failing, previous_conditions=[])["conditions"]
+    }
+    assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+    err = compute_status(
+        **common, desired=1, deployment=None, previous_conditions=[], apply_error="403 Forbidden"
+    )
+    assert {c["type"]: c["reason"] for c in err["conditions"]}["Degraded"] == "ApplyFailed"
+    zero = compute_status(
+        **common, desired=0, deployment=deployment_status(0, 0, 0, 0), previous_conditions=[]
+    )
+    assert {c["type"]: c["reason"] for c in zero["conditions"]}["Ready"] == "ScaledToZero"
+    # With autoscaling, the Deployment's own replica count is the target.
+    auto = compute_status(
+        **common, desired=None, deployment=deployment_status(3, 3, 3, 3), previous_conditions=[]
+    )
+    assert auto["ready"] == "3/3"
+
+
+def test_lease_decision():
+    now = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+    fresh, stale = now - dt.timedelta(seconds=5), now - dt.timedelta(seconds=20)
+    assert may_hold(None, None, 15, "me", now)
+    assert may_hold("me", fresh, 15, "me", now)
+    assert not may_hold("other", fresh, 15, "me", now)
+    assert may_hold("other", stale, 15, "me", now)
+
+
+def test_examples_validate_against_the_models():
+    for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceDeployment":
+                InferenceDeploymentSpec.model_validate(doc["spec"])
+
+
+def test_docs_reference_is_generated_from_the_models():
+    doc = (REPO / "docs" / "operator.md").read_text()
+    start, end = "<!-- reference:start -->\n", "<!-- reference:end -->"
+    embedded = doc[doc.index(start) + len(start) : doc.index(end)]
+    assert embedded == reference_markdown(), (
+        "docs/operator.md is stale: regenerate with `kvscale-operator crd --markdown`"
+    )
