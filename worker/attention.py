@@ -2,8 +2,8 @@
 
 The model runner orders each batch as [decode sequences sorted by length..., prefill chunks...]
 and describes it with CommonAttentionMetadata; a backend turns that into whatever plan its
-kernels want (the torch backend: length buckets for decode). This issue ships the plain-torch
-backend; `triton` is chosen by name once its kernels exist.
+kernels want (the torch backend here: length buckets for decode; the Triton backend in
+attention_triton.py: split-K decode and paged prefill kernels).
 """
 
 from __future__ import annotations
@@ -144,12 +144,23 @@ class TorchAttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks Triton on CUDA once its kernels exist, plain torch elsewhere."""
-    if name in ("auto", "torch"):
+    """`auto` picks Triton on CUDA when triton imports, plain torch elsewhere. `triton` off CUDA
+    runs only under the Triton interpreter (TRITON_INTERPRET=1: tests)."""
+    from kvscale.kernels import triton_available, triton_interpreting
+
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        raise NotImplementedError(
-            "attention_backend='triton' needs the Triton kernels (kvscale.kernels), which are not built yet; "
-            "use 'torch' or 'auto'"
-        )
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package; install it or use 'torch'")
+        if device.type != "cuda" and not triton_interpreting():
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device (got {device.type}); "
+                "on a CPU it runs only under the Triton interpreter (TRITON_INTERPRET=1, for tests)"
+            )
+        from kvscale.worker.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, torch or triton")
