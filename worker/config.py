@@ -27,6 +27,17 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
+    # Speculative decoding (docs/speculative.md): a draft model or n-gram prompt lookup proposes up to
+    # num_speculative_tokens per step; the target verifies them all in one forward.
+    speculative_method: str | None = None  # draft | ngram; a draft_model alone implies draft
+    draft_model: str | None = None
+    num_speculative_tokens: int | None = None  # the most tokens proposed per step; default 4
+    # n-gram lookup: match the last n tokens (longest n first) against the request's own tokens.
+    ngram_prompt_lookup_max: int = 4
+    ngram_prompt_lookup_min: int = 2
+    # Per request and per step, choose the lookahead from measured acceptance and step costs
+    # (off: always propose num_speculative_tokens).
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,6 +65,31 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method is None and self.draft_model:
+            self.speculative_method = "draft"
+        method = self.speculative_method
+        if method not in (None, "draft", "ngram"):
+            raise ValueError(f"speculative_method must be draft or ngram, got {method!r}")
+        if method == "draft" and not self.draft_model:
+            raise ValueError(
+                "speculative_method 'draft' needs draft_model (a model folder with the same tokenizer)"
+            )
+        if method == "ngram" and self.draft_model:
+            raise ValueError("draft_model is only used with speculative_method 'draft'")
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if method is not None and self.num_speculative_tokens is None:
+            self.num_speculative_tokens = 4
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max:
+            raise ValueError("need 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """The most tokens a request may propose per step (0: no speculation)."""
+        return (self.num_speculative_tokens or 0) if self.speculative_method else 0
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:

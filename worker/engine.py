@@ -16,13 +16,16 @@ import torch
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.detokenizer import IncrementalDetokenizer
+from kvscale.worker.draft_proposer import DraftModelProposer
 from kvscale.worker.kv_cache_manager import KVCacheManager
 from kvscale.worker.model_loader import load_tokenizer
 from kvscale.worker.model_runner import ModelRunner
+from kvscale.worker.ngram_proposer import NgramProposer
 from kvscale.worker.outputs import RequestOutput, completion_output
 from kvscale.worker.request import Request, RequestStatus
 from kvscale.worker.sampling_params import SamplingParams
 from kvscale.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvscale.worker.spec_decode import SpeculativeDecoder, profile_step_costs
 from kvscale.worker.stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger(__name__)
@@ -72,7 +75,13 @@ class LLMEngine:
         if not args.model:
             raise ValueError("no model given: pass the path of a Hugging Face model folder")
         self.args = args
-        self.runner = ModelRunner(args)
+        load_draft = None
+        if args.speculative_method == "draft":
+
+            def load_draft(device, dtype, max_model_len, vocab_size):
+                return DraftModelProposer(args, device, dtype, max_model_len, vocab_size)
+
+        self.runner = ModelRunner(args, load_draft)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         self.max_model_len = self.runner.max_model_len
@@ -84,12 +93,32 @@ class LLMEngine:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
             self.kv_cache_manager,
         )
+        self.spec_decoder = self._make_spec_decoder(args) if args.speculative_method else None
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, str] = {}
         self._ids = count()
         self._stats = IterationStats()
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+
+    def _make_spec_decoder(self, args: EngineArgs) -> SpeculativeDecoder:
+        runner = self.runner
+        proposer = runner.draft or NgramProposer(args.ngram_prompt_lookup_max, args.ngram_prompt_lookup_min)
+        decoder = SpeculativeDecoder(args, self.scheduler, proposer, self.max_model_len)
+        if args.speculative_adaptive:
+            with torch.inference_mode():
+                decoder.costs = profile_step_costs(
+                    runner.forward,
+                    runner.draft.forward if runner.draft is not None else None,
+                    runner.device,
+                    args.num_lookahead_tokens,
+                    args.max_num_seqs,
+                    args.max_num_batched_tokens,
+                    self.max_model_len,
+                    runner.num_blocks,
+                    args.block_size,
+                )
+        return decoder
 
     # -- requests in and out -----------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -202,7 +231,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(scheduled)
         result = self.runner.execute_model(scheduled)
+        if self.spec_decoder is not None:
+            self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
         updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
         self._record_logprobs(scheduled, result.logprobs)
         touched: dict[str, ParentRequest] = {}
@@ -232,11 +265,21 @@ class LLMEngine:
         detok = parent.detokenizers[i]
         seen = parent.num_fed[i]
         new_ids = request.output_token_ids[seen:]
-        parent.num_fed[i] = request.num_output_tokens
-        self._record_token_stats(request, seen)
         if request.status == RequestStatus.FINISHED_STOPPED:
             new_ids = new_ids[:-1]  # the EOS / stop token ends the text; it is not part of it
-        stop = detok.update(new_ids)
+        if len(new_ids) > 1 and detok.stop:
+            # Several tokens in one step (an accepted speculative run): feed them one by one, and
+            # if a stop string ends early in the run, the tokens after it were never generated.
+            stop = None
+            for j, token_id in enumerate(new_ids):
+                stop = detok.update([token_id])
+                if stop is not None:
+                    request.truncate_output(seen + j + 1)
+                    break
+        else:
+            stop = detok.update(new_ids)
+        parent.num_fed[i] = request.num_output_tokens
+        self._record_token_stats(request, seen)
         if stop is None and request.is_finished:
             # Release text held back for a character still incomplete; it may complete a stop string.
             stop = detok.flush()

@@ -125,6 +125,20 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
         self.num_cached_blocks[rid] = end
 
+    def free_excess_blocks(self, request: Request) -> None:
+        """Return blocks beyond what the request's tokens need: slots reserved for proposed tokens
+        that were rejected. Such blocks hold no verified full block, so none is in the prefix index."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        keep = self.blocks_needed(request.num_tokens)
+        if len(blocks) > keep:
+            excess = blocks[keep:]
+            del blocks[keep:]
+            del self.req_to_block_ids[rid][keep:]
+            self.block_pool.free(list(reversed(excess)))
+
     def free(self, request: Request) -> None:
         """Give back every block the request holds (tail first, see BlockPool.free)."""
         rid = request.request_id

@@ -1,7 +1,7 @@
 """Owns the model and the KV tensors; turns one SchedulerOutput into one forward pass and samples.
 
-The flat batch is ordered [decodes sorted by context length..., prefill chunks...]: the attention
-backend batches decodes by length bucket and walks prefill chunks one by one.
+Every scheduled request is one chunk of the flat batch (forward_batch.py): a decode's new token, a
+prefill chunk, or a decode's token followed by its proposed tokens, verified in the same forward.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ import torch
 
 from kvscale.worker.attention import CommonAttentionMetadata, get_attention_backend
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.cuda_graphs import CUDAGraphRunner
+from kvscale.worker.forward_batch import SeqChunk, build_forward_batch
 from kvscale.worker.kv_cache_sizing import bytes_per_block, free_memory_bytes, num_blocks_for
 from kvscale.worker.model_loader import load_config, load_model, resolve_dtype
+from kvscale.worker.rejection_sampler import RejectionSampler, SpecDecodeRow
 from kvscale.worker.request import TokenLogprobs
 from kvscale.worker.sampler import Sampler, SamplingMetadata
 from kvscale.worker.scheduler import SchedulerOutput
@@ -49,7 +52,10 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, load_draft=None) -> None:
+        """load_draft(device, dtype, max_model_len, vocab_size), when given, loads a draft model whose
+        KV blocks mirror the target's; it is loaded before the KV cache is sized, which counts its
+        bytes per block too."""
         self.device = resolve_device(args.device)
         self.hf_config = load_config(args.model)
         self.dtype = resolve_dtype(args.dtype, self.hf_config, self.device)
@@ -60,15 +66,25 @@ class ModelRunner:
         self.spec = self.model.spec
         self.backend = get_attention_backend(args.attention_backend, self.device)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.draft = (
+            load_draft(self.device, self.dtype, self.max_model_len, self.spec.vocab_size)
+            if load_draft
+            else None
+        )
         self.num_blocks = self._size_kv_cache(args)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_blocks)
+        # Decode-only steps replay captured CUDA graphs (CUDA + Triton backend only; None elsewhere).
+        self.cuda_graphs = CUDAGraphRunner.maybe_create(self, args.max_num_seqs)
 
     # -- KV cache ----------------------------------------------------------------------------
     def _size_kv_cache(self, args: EngineArgs) -> int:
         spec = self.spec
         block_bytes = bytes_per_block(
             spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
-        )
+        ) + (self.draft.block_bytes() if self.draft is not None else 0)
         reserve = self._profile_activation_bytes(args) if self.device.type == "cuda" else 0
         num_blocks = num_blocks_for(
             block_bytes=block_bytes,
@@ -125,74 +141,57 @@ class ModelRunner:
         return int(peak * 1.1)
 
     # -- one step ----------------------------------------------------------------------------
-    def _order(self, out: SchedulerOutput) -> list[int]:
-        decodes = [i for i, n in enumerate(out.num_scheduled_tokens) if n == 1]
-        decodes.sort(key=lambda i: out.requests[i].num_computed_tokens)
-        taken = set(decodes)
-        return decodes + [i for i in range(len(out.requests)) if i not in taken]
+    def forward(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor:
+        """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk."""
+        batch = build_forward_batch(chunks, self.block_size, self.device)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch.common):
+            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.common)
+        else:
+            metadata = self.backend.prepare(batch.common)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.backend, metadata)
+        return self.model.compute_logits(hidden[batch.last_token_rows(num_logits)])
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        order = self._order(out)
-        bs = self.block_size
-        num_seqs = len(order)
-        max_blocks = max(len(out.block_ids[i]) for i in order)
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        seq_lens = np.zeros(num_seqs, dtype=np.int64)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []  # row in `order` of each sequence that samples this step
-        num_decodes = 0
-        for row, i in enumerate(order):
-            request, n, block_ids = out.requests[i], out.num_scheduled_tokens[i], out.block_ids[i]
+        chunks, num_logits = [], []
+        plain: list[int] = []  # requests that sample one token
+        spec: list[int] = []  # requests whose proposals are verified
+        for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
+            drafts = out.spec_token_ids[i]
             start = request.num_computed_tokens
-            end = start + n
-            block_tables[row, : len(block_ids)] = block_ids
-            query_start_loc[row + 1] = query_start_loc[row] + n
-            seq_lens[row] = end
-            if n == 1:
-                num_decodes += 1
-                input_ids.append(request.all_token_ids[start])
-                positions.append(start)
-                slots.append(block_ids[start // bs] * bs + start % bs)
+            end = start + n - len(drafts)  # known tokens end here; proposals follow
+            chunks.append(SeqChunk(request.all_token_ids[start:end] + drafts, start, out.block_ids[i]))
+            if drafts:
+                spec.append(i)
+                num_logits.append(1 + len(drafts))
+            elif end == request.num_tokens:
+                plain.append(i)
+                num_logits.append(1)
             else:
-                input_ids.extend(request.all_token_ids[start:end])
-                pos = np.arange(start, end)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(block_ids)[pos // bs] * bs + pos % bs).tolist())
-            if end == request.num_tokens:
-                sample_rows.append(row)
-
-        dev = self.device
-        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        common = CommonAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.from_numpy(query_start_loc),
-            seq_lens=torch.from_numpy(seq_lens),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            num_decodes=num_decodes,
-            block_size=bs,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions_t,
-            self.kv_caches,
-            self.backend,
-            self.backend.prepare(common),
-        )
+                num_logits.append(0)  # a prefill chunk that does not reach the end of the prompt
+        logits = self.forward(chunks, num_logits)
 
         sampled: list[list[int]] = [[] for _ in out.requests]
         logprobs: list[list[TokenLogprobs] | None] = [None for _ in out.requests]
-        if sample_rows:
-            last_token_index = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev)
-            logits = self.model.compute_logits(hidden[last_token_index])
-            requests = [out.requests[order[r]] for r in sample_rows]
-            result = self.sampler(logits, SamplingMetadata.from_requests(requests, self.spec.vocab_size, dev))
-            token_ids = result.sampled_token_ids.tolist()
-            for k, r in enumerate(sample_rows):
-                sampled[order[r]] = [token_ids[k]]
+        # Logit rows come chunk after chunk; split them between the two samplers.
+        offsets = np.concatenate([[0], np.cumsum(num_logits)])
+        if plain:
+            rows = torch.from_numpy(offsets[plain]).to(self.device)
+            requests = [out.requests[i] for i in plain]
+            result = self.sampler(
+                logits[rows], SamplingMetadata.from_requests(requests, self.spec.vocab_size, self.device)
+            )
+            for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
+                sampled[i] = [token_id]
                 if result.logprobs is not None and result.logprobs[k] is not None:
-                    logprobs[order[r]] = [result.logprobs[k]]
+                    logprobs[i] = [result.logprobs[k]]
+        if spec:
+            rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec]))
+            verify_rows = [
+                SpecDecodeRow(out.requests[i], out.spec_token_ids[i], out.spec_draft_probs[i]) for i in spec
+            ]
+            verified = self.rejection_sampler(logits[rows.to(self.device)], verify_rows, self.spec.vocab_size)
+            for k, i in enumerate(spec):
+                sampled[i] = verified.token_ids[k]
+                logprobs[i] = verified.logprobs[k]
         return ModelRunnerOutput(sampled, logprobs)

@@ -45,6 +45,9 @@ class CompletionOutput:
     stop_reason: int | str | None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprobs] | None
     metrics: RequestMetrics
+    # Speculative decoding: tokens proposed for this sequence and how many the target accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -76,4 +79,6 @@ def completion_output(index: int, request: Request, text: str) -> CompletionOutp
             finished_time=request.finished_time,
             num_preemptions=request.num_preemptions,
         ),
+        num_draft_tokens=request.num_draft_tokens,
+        num_accepted_tokens=request.num_accepted_tokens,
     )

@@ -68,6 +68,14 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None
     generator: torch.Generator | None = None
 
+    # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
+    # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.
+    num_draft_computed_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_accepted: float = 0.0
+    spec_rejected: float = 0.0
+
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -98,3 +106,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.token_times.append(now)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first num_output_tokens (a finished request whose stop string
+        ended inside a run of several tokens accepted in one step)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        del self.token_times[num_output_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_output_tokens:]

@@ -39,8 +39,16 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], vocab_size: int, device: torch.device
+        cls,
+        requests: list[Request],
+        vocab_size: int,
+        device: torch.device,
+        output_token_ids: list[list[int]] | None = None,
     ) -> SamplingMetadata:
+        """One row per entry of `requests` (a request may fill several rows: speculative verification
+        scores each proposed position, and `output_token_ids` then gives each row the output it
+        would follow, so penalties and min_tokens see the proposed tokens before it)."""
+        outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
         temperature: list[float] = []
         top_k: list[int] = []
         top_p: list[float] = []
@@ -65,7 +73,7 @@ class SamplingMetadata:
             repetition.append(params.repetition_penalty)
             if not greedy and req.generator is not None:
                 generators[i] = req.generator
-            if len(req.output_token_ids) < params.min_tokens:
+            if len(outputs[i]) < params.min_tokens:
                 banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
                 if banned:
                     min_tokens[i] = banned
@@ -100,7 +108,7 @@ class SamplingMetadata:
             frequency_penalties=frequency_t,
             repetition_penalties=repetition_t,
             prompt_token_ids=prompt_token_ids,
-            output_token_ids=[req.output_token_ids for req in requests],
+            output_token_ids=outputs,
             min_tokens=min_tokens,
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=num_logprobs,
@@ -216,44 +224,57 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div(q).argmax(dim=-1)
 
 
+@dataclass
+class TargetDistribution:
+    """Per row, what the request's sampling parameters make of the logits."""
+
+    greedy_token_ids: torch.Tensor | None  # [B] argmax after min_tokens and penalties; None: no greedy row
+    probs: torch.Tensor | None  # [B, V] after temperature, top-k/top-p, min-p; None: every row is greedy
+
+
+def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> TargetDistribution:
+    """Logits (float32) -> the distribution each row samples from. Out-of-place: the caller's logits
+    are never modified. Greedy rows also get a (temperature 1) row in `probs` when the batch is mixed;
+    it is never used."""
+    logits = apply_min_tokens(logits, metadata.min_tokens)
+    if not metadata.no_penalties:
+        logits = apply_penalties(
+            logits,
+            metadata.prompt_token_ids,
+            metadata.output_token_ids,
+            metadata.presence_penalties,
+            metadata.frequency_penalties,
+            metadata.repetition_penalties,
+        )
+    if metadata.all_greedy:
+        return TargetDistribution(logits.argmax(dim=-1), None)
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    temperature = metadata.temperature
+    if greedy is not None:
+        # Dividing greedy rows by 1 keeps their values finite.
+        temperature = torch.where(temperature == 0.0, 1.0, temperature)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    logits = apply_min_p(logits, metadata.min_p)
+    return TargetDistribution(greedy, logits.softmax(dim=-1))
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = logits.to(torch.float32)
-        # The helpers are out-of-place, so the caller's logits are never modified.
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = apply_min_tokens(logits, metadata.min_tokens)
-        if not metadata.no_penalties:
-            logits = apply_penalties(
-                logits,
-                metadata.prompt_token_ids,
-                metadata.output_token_ids,
-                metadata.presence_penalties,
-                metadata.frequency_penalties,
-                metadata.repetition_penalties,
-            )
-        sampled = self._sample(logits, metadata)
-        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, metadata)
+        dist = target_distribution(logits, metadata)
+        if dist.probs is None:
+            sampled = dist.greedy_token_ids
+        else:
+            sampled = random_sample(dist.probs, metadata.generators)
+            if dist.greedy_token_ids is not None:
+                sampled = torch.where(metadata.temperature == 0.0, dist.greedy_token_ids, sampled)
+        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, metadata)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        if metadata.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
-        temperature = metadata.temperature
-        if greedy is not None:
-            # Greedy rows are sampled too (then overwritten); dividing by 1 keeps their values finite.
-            temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        logits = logits / temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        logits = apply_min_p(logits, metadata.min_p)
-        sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature == 0.0, greedy, sampled)
 
-
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata
 ) -> list[TokenLogprobs | None]:
     assert metadata.max_num_logprobs is not None

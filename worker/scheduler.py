@@ -32,6 +32,10 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding, filled after scheduling: tokens proposed per request (included in
+    # num_scheduled_tokens) and, for drafts sampled from a distribution, that distribution [n, V].
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    spec_draft_probs: list[object | None] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -157,11 +161,22 @@ class Scheduler:
         out.requests.append(request)
         out.num_scheduled_tokens.append(num_new)
         out.block_ids.append(self.kv.get_block_ids(request.request_id))
+        out.spec_token_ids.append([])
+        out.spec_draft_probs.append(None)
+
+    def reserve_lookahead(self, request: Request, num_lookahead: int) -> int:
+        """Slots for up to num_lookahead proposed tokens after the request's next token; returns how
+        many fit. Speculation only takes free blocks: it never preempts anyone."""
+        for k in range(num_lookahead, 0, -1):
+            if self.kv.allocate_slots(request, 1 + k):
+                return k
+        return 0
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -174,12 +189,15 @@ class Scheduler:
         requests that received tokens (finished ones included)."""
         now = time.monotonic() if now is None else now
         updated = []
-        for request, num_tokens, new_ids in zip(
-            out.requests, out.num_scheduled_tokens, sampled_token_ids, strict=True
+        for request, num_tokens, new_ids, drafts in zip(
+            out.requests, out.num_scheduled_tokens, sampled_token_ids, out.spec_token_ids, strict=True
         ):
             if request.is_finished:  # aborted between schedule and update
                 continue
-            request.num_computed_tokens += num_tokens
+            # Proposed tokens after the first rejection were computed but are not the sequence's:
+            # their slots are overwritten by the next step's tokens.
+            num_rejected = len(drafts) - (len(new_ids) - 1) if drafts else 0
+            request.num_computed_tokens += num_tokens - num_rejected
             if not new_ids:
                 continue  # a prefill chunk that does not reach the end of the prompt
             for token_id in new_ids:
@@ -189,6 +207,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, status)
                     break
+            if not request.is_finished:
+                # Slots reserved for proposed tokens that were rejected (or never proposed) go back.
+                self.kv.free_excess_blocks(request)
             updated.append(request)
         return updated
 

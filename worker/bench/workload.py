@@ -23,9 +23,13 @@ class Workload:
         return sum(self.output_lens)
 
 
-def held_out_sources() -> list[Path]:
+def held_out_sources(code_only: bool = False) -> list[Path]:
+    """code_only leaves out pydoc_data/topics.py, which is mostly English text in string literals
+    (the models' README calls the rest "held-out code")."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [p for p in stdlib.glob("[pqr]*.py")] + [p for p in stdlib.glob("[pqr]*/*.py")]
+    if code_only:
+        files = [p for p in files if p.parts[-2:] != ("pydoc_data", "topics.py")]
     return sorted(p for p in files if "site-packages" not in p.parts and p.stat().st_size > 2000)
 
 
@@ -41,10 +45,12 @@ def code_workload(
     prompt_len: tuple[float, int, int] = (96, 16, 1024),  # median, min, max
     output_len: tuple[float, int, int] = (64, 16, 512),
     sigma: float = 1.0,
+    code_only: bool = False,
 ) -> Workload:
     rng = random.Random(seed)
     corpus = [
-        tokenizer.encode(p.read_text(errors="replace"), add_special_tokens=False) for p in held_out_sources()
+        tokenizer.encode(p.read_text(errors="replace"), add_special_tokens=False)
+        for p in held_out_sources(code_only)
     ]
     corpus = [ids for ids in corpus if len(ids) > prompt_len[2] + 1]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
