@@ -49,3 +49,10 @@ def cluster(tmp_path_factory):
     finally:
         agent.stop()
         assert cp.stop() == 0, (state / "controlplane.log").read_text()[-3000:]
+
+
+def pytest_collection_modifyitems(items):
+    """The RBAC audit test checks that every granted verb was used, the autoscaler's included
+    (e2e/test_autoscaling.py): it runs after every other test of the session."""
+    last = [i for i in items if i.name == "test_operator_uses_exactly_its_rbac_and_is_never_forbidden"]
+    items[:] = [i for i in items if i not in last] + last

@@ -58,6 +58,7 @@ class PodProcess:
     started_at: str = field(default_factory=_now)
     stopping: bool = False
     last_exit: int | None = None
+    ready_changed_at: str = field(default_factory=_now)  # the Ready condition's lastTransitionTime
 
 
 class NodeAgent:
@@ -265,6 +266,7 @@ class NodeAgent:
             self._set_status(pod, p, waiting="RunContainerError", message=str(e))
             return
         p.started_at, p.ready = _now(), False
+        p.ready_changed_at = p.started_at
         logger.info("started %s/%s on %s: %s", p.namespace, p.name, p.ip, " ".join(argv))
         self._set_status(pod, p)
 
@@ -287,8 +289,8 @@ class NodeAgent:
             "conditions": [
                 {"type": "PodScheduled", "status": "True"},
                 {"type": "Initialized", "status": "True"},
-                {"type": "ContainersReady", "status": ready},
-                {"type": "Ready", "status": ready},
+                {"type": "ContainersReady", "status": ready, "lastTransitionTime": p.ready_changed_at},
+                {"type": "Ready", "status": ready, "lastTransitionTime": p.ready_changed_at},
             ],
             "containerStatuses": [
                 {
@@ -328,7 +330,7 @@ class NodeAgent:
         if pod.metadata.uid != p.uid or pod.metadata.deletion_timestamp is not None:
             return
         if p.proc is not None and p.proc.poll() is not None and not p.stopping:
-            p.last_exit, p.ready = p.proc.returncode, False
+            p.last_exit, p.ready, p.ready_changed_at = p.proc.returncode, False, _now()
             self._set_status(pod, p)
             if (pod.spec.restart_policy or "Always") != "Never":
                 time.sleep(min(10, 2**p.restarts))  # crash-loop back-off, shortened for tests
@@ -340,7 +342,7 @@ class NodeAgent:
             p.proc is not None and p.proc.poll() is None and (probe is None or self._http_ok(pod, p, probe))
         )
         if ready != p.ready:
-            p.ready = ready
+            p.ready, p.ready_changed_at = ready, _now()
             self._set_status(pod, p)
 
     def _http_ok(self, pod, p: PodProcess, probe) -> bool:

@@ -41,6 +41,7 @@ def _health_server(host: str, port: int) -> None:
 async def _lead(lock, renew_s: float) -> int:
     import kopf
 
+    import kvscale.operator.autoscaler  # registers the autoscaler's event handler
     import kvscale.operator.handlers  # noqa: F401 (registers the handlers)
 
     stop = asyncio.Event()

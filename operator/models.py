@@ -127,10 +127,37 @@ class AutoscalingSpec(_Model):
     min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest workers.")
     max_replicas: int = Field(ge=1, le=1000, description="Most workers.")
     target_kv_cache_usage: float = Field(
-        default=0.8, gt=0.0, le=1.0, description="KV-cache occupancy per worker to aim for (0-1)."
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="KV-cache occupancy per worker to aim for (0-1). Headroom above it absorbs "
+        "bursts while new workers load.",
     )
     target_queue_length: float = Field(
-        default=4.0, ge=0.0, le=10_000.0, description="Waiting requests per worker to aim for."
+        default=2.0,
+        ge=0.0,
+        le=10_000.0,
+        description="Waiting requests per worker to aim for (0: scale on KV-cache usage alone).",
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=4,
+        ge=0,
+        le=3600,
+        description="Scale up only when the signals stayed above target this long (the lowest "
+        "recommendation in the window wins), so a single burst does not add workers.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=86_400,
+        description="Scale down only when the load fitted on fewer workers this whole time (the "
+        "highest recommendation in the window wins).",
+    )
+    max_scale_up_step: int = Field(
+        default=4, ge=1, le=1000, description="Most workers added by one decision."
+    )
+    max_scale_down_step: int = Field(
+        default=1, ge=1, le=1000, description="Most workers removed by one decision."
     )
 
 
@@ -255,6 +282,31 @@ class Condition(_Model):
     )
 
 
+class ScalingDecision(_Model):
+    time: str = Field(description="When (RFC 3339).")
+    from_replicas: int = Field(description="Workers before.")
+    to_replicas: int = Field(description="Workers after.")
+    reason: str = Field(description="Why, with the signals that decided it.")
+
+
+class AutoscalingStatus(_Model):
+    """What the autoscaler saw at its last scrape and what it did recently."""
+
+    desired_replicas: int | None = Field(default=None, description="Workers the autoscaler wants.")
+    ready_workers: int = Field(default=0, description="Ready workers scraped.")
+    starting_workers: int = Field(default=0, description="Workers not ready yet (loading).")
+    kv_cache_usage: float | None = Field(
+        default=None, description="Mean KV-cache occupancy of the ready workers (0-1)."
+    )
+    waiting_requests: float | None = Field(
+        default=None, description="Mean requests waiting per ready worker."
+    )
+    last_scrape_time: str | None = Field(default=None, description="When the workers were last scraped.")
+    last_decisions: list[ScalingDecision] = Field(
+        default_factory=list, description="The last few scaling decisions, newest last."
+    )
+
+
 class InferenceDeploymentStatus(_Model):
     """What the operator observed; written by the operator only."""
 
@@ -270,6 +322,9 @@ class InferenceDeploymentStatus(_Model):
     )
     kv_cache_usage: float | None = Field(
         default=None, description="Mean KV-cache occupancy of the ready workers (0-1)."
+    )
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The autoscaler's signals and its last decisions."
     )
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Progressing, Degraded, ScalingActive."

@@ -1,0 +1,323 @@
+"""The autoscaler's I/O: scrape each worker, apply the policy, scale the Deployment, report.
+
+One asyncio task per InferenceDeployment with `spec.autoscaling`, started and stopped by a kopf
+event handler. (Not a kopf daemon or timer: kopf puts a finalizer on every resource that has
+one, which would write the resource's metadata and keep a resource from being deleted while the
+operator is down; see docs/operator.md.) kopf runs only on the Lease holder (main.py), so only
+the leader scales.
+
+Every SCRAPE_INTERVAL_S the task lists the worker pods, reads `/metrics` from each ready one
+directly (pod IP and port, short timeouts, in parallel), asks `autoscaling.decide`, and on a
+change patches the Deployment's scale subresource. Before removing workers it marks the least
+loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
+exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
+Status carries the signals and the last decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import kopf
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from kvscale.operator.autoscaling import Decision, Params, PodLoad, Sample, decide
+from kvscale.operator.children import PORT, selector_string
+from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_INTERVAL_S = 2.0
+SCRAPE_TIMEOUT_S = 1.5
+FIELD_MANAGER = "kvscale-autoscaler"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
+KEEP_DECISIONS = 5
+STATUS_EVERY_S = 5.0  # signals are written at most this often (decisions at once)
+
+# Our metric names first, vLLM's as a fallback (so vLLM workers scale too).
+METRICS = {
+    "kv_usage": ("kvscale_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "waiting": ("kvscale_requests_waiting", "vllm:num_requests_waiting"),
+    "running": ("kvscale_requests_running", "vllm:num_requests_running"),
+    "finished": ("kvscale_requests_finished_total", "vllm:request_success_total"),
+}
+# Requests refused for a full queue are demand too (other refusals are not: invalid, draining...).
+QUEUE_FULL = ("kvscale_requests_rejected_total", "reason", "queue_full")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The signals from a Prometheus text exposition (summed over label sets), and `arrivals`:
+    the requests the worker has received, a counter (finished + refused for a full queue + in
+    flight), whose rate is the demand on it whether or not it keeps up."""
+    values: dict[str, float] = {}
+    queue_full = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if sample.name == QUEUE_FULL[0] and sample.labels.get(QUEUE_FULL[1]) == QUEUE_FULL[2]:
+                queue_full += sample.value
+    out = {}
+    for key, names in METRICS.items():
+        found = next((values[n] for n in names if n in values), None)
+        if found is not None:
+            out[key] = found
+    if all(k in out for k in ("finished", "running", "waiting")):
+        out["arrivals"] = out.pop("finished") + queue_full + out["running"] + out["waiting"]
+    out.pop("finished", None)
+    return out
+
+
+def pod_state(pod: client.V1Pod) -> str:
+    if pod.metadata.deletion_timestamp is not None:
+        return "terminating"
+    conditions = (pod.status and pod.status.conditions) or []
+    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    return "ready" if ready and pod.status.pod_ip else "starting"
+
+
+def observed_startup_s(pods: list[client.V1Pod]) -> float | None:
+    """Median time from pod creation to Ready over the ready pods: how long a new worker takes."""
+    times = []
+    for p in pods:
+        ready = next((c for c in (p.status and p.status.conditions) or [] if c.type == "Ready"), None)
+        if ready is not None and ready.status == "True" and ready.last_transition_time is not None:
+            times.append((ready.last_transition_time - p.metadata.creation_timestamp).total_seconds())
+    return sorted(times)[len(times) // 2] if times else None
+
+
+async def scrape(session: aiohttp.ClientSession, ip: str) -> dict[str, float] | None:
+    try:
+        async with session.get(f"http://{ip}:{PORT}/metrics") as r:
+            if r.status != 200:
+                return None
+            return parse_metrics(await r.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Target:
+    """One autoscaled resource: its latest body (from kopf's events) and its task."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: dict[str, Any]
+    task: asyncio.Task | None = None
+    history: deque[Sample] = field(default_factory=deque)
+    decisions: list[dict[str, Any]] | None = None
+    last_status: dict[str, Any] | None = None
+    last_status_at: float = 0.0
+
+    @property
+    def body(self) -> dict[str, Any]:  # enough of the resource for kopf's event poster
+        meta = {"name": self.name, "namespace": self.namespace, "uid": self.uid}
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta}
+
+
+_targets: dict[str, Target] = {}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """Start, update or stop the autoscaler task of this resource."""
+    meta = body["metadata"]
+    uid = meta["uid"]
+    wanted = type != "DELETED" and meta.get("deletionTimestamp") is None
+    wanted = wanted and bool((body.get("spec") or {}).get("autoscaling"))
+    target = _targets.get(uid)
+    if not wanted:
+        if target is not None:
+            _targets.pop(uid)
+            if target.task is not None:
+                target.task.cancel()
+        return
+    if target is None:
+        target = _targets[uid] = Target(meta["name"], meta["namespace"], uid, dict(body["spec"]))
+        decisions = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions")
+        target.decisions = list(decisions or [])
+        target.task = asyncio.create_task(_run(target), name=f"autoscaler {meta['namespace']}/{meta['name']}")
+    target.spec = dict(body["spec"])
+
+
+async def _run(target: Target) -> None:
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, connect=SCRAPE_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            started = time.monotonic()
+            try:
+                await step(target, session)
+            except asyncio.CancelledError:
+                raise
+            except ApiException as e:
+                if e.status == 404:
+                    logger.info("autoscaler: %s/%s not found yet", target.namespace, target.name)
+                else:
+                    logger.warning("autoscaler step failed: %s %s", e.status, e.reason)
+            except Exception:
+                logger.exception("autoscaler step failed")
+            await asyncio.sleep(max(0.1, SCRAPE_INTERVAL_S - (time.monotonic() - started)))
+
+
+async def step(target: Target, session: aiohttp.ClientSession) -> Decision | None:
+    try:
+        spec = InferenceDeploymentSpec.model_validate(target.spec)
+    except ValidationError:
+        return None  # reconcile reports it
+    if spec.autoscaling is None:
+        return None
+    params = Params.from_spec(spec.autoscaling)
+    apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
+    name, ns = target.name, target.namespace
+    deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
+    current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
+    pods = (await asyncio.to_thread(core.list_namespaced_pod, ns, label_selector=selector_string(name))).items
+    states = {p.metadata.name: pod_state(p) for p in pods}
+    ready = [p for p in pods if states[p.metadata.name] == "ready"]
+    scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
+    metrics = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
+    loads = []
+    for p in pods:
+        m = metrics.get(p.metadata.name) or {}
+        loads.append(
+            PodLoad(
+                p.metadata.name,
+                states[p.metadata.name],  # type: ignore[arg-type]
+                kv_usage=m.get("kv_usage"),
+                waiting=m.get("waiting"),
+                running=m.get("running"),
+                arrivals=m.get("arrivals"),
+            )
+        )
+    startup = observed_startup_s(pods)
+    if startup is not None:  # scale for the load expected when a worker started now is ready
+        params = replace(params, lookahead_s=startup)
+    now = time.monotonic()
+    target.history.append(Sample(now, tuple(sorted(loads, key=lambda p: p.name))))
+    keep = max(params.up_window_s, params.down_window_s) + 2 * SCRAPE_INTERVAL_S
+    while len(target.history) > 1 and target.history[1].time <= now - keep:
+        target.history.popleft()
+    decision = decide(target.history, current, params, now)
+    if decision.changed(current):
+        await _scale(target, pods, current, decision)
+    await _report(target, decision, current)
+    return decision
+
+
+async def _scale(target: Target, pods: list[client.V1Pod], current: int, decision: Decision) -> None:
+    apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
+    name, ns = target.name, target.namespace
+    if decision.replicas < current:
+        # The ReplicaSet controller removes the pods of lowest deletion cost first: mark exactly
+        # the victims, and clear the mark a previous, unfinished decision left on any other pod.
+        for p in pods:
+            marked = (p.metadata.annotations or {}).get(DELETION_COST) == VICTIM_COST
+            victim = p.metadata.name in decision.victims
+            if victim != marked and p.metadata.deletion_timestamp is None:
+                cost = VICTIM_COST if victim else None
+                patch = {"metadata": {"annotations": {DELETION_COST: cost}}}
+                await asyncio.to_thread(core.patch_namespaced_pod, p.metadata.name, ns, patch)
+    await asyncio.to_thread(
+        apps.patch_namespaced_deployment_scale,
+        name,
+        ns,
+        {"spec": {"replicas": decision.replicas}},
+        field_manager=FIELD_MANAGER,
+    )
+    record = {
+        "time": _now(),
+        "fromReplicas": current,
+        "toReplicas": decision.replicas,
+        "reason": decision.reason + (f"; removing {', '.join(decision.victims)}" if decision.victims else ""),
+    }
+    target.decisions = [*(target.decisions or []), record][-KEEP_DECISIONS:]
+    logger.info("autoscaler: %s/%s %s", ns, name, record["reason"])
+    kopf.info(target.body, reason="Scaled", message=record["reason"])
+
+
+async def _report(target: Target, decision: Decision, current: int) -> None:
+    """Signals and decisions into status: decisions at once, signals at most every STATUS_EVERY_S."""
+    s = decision.signals
+    signals = {
+        "desiredReplicas": decision.replicas,
+        "readyWorkers": s.ready if s else 0,
+        "startingWorkers": s.starting if s else 0,
+        "kvCacheUsage": None if s is None or s.mean_kv is None else round(s.mean_kv, 2),
+        "waitingRequests": None if s is None or s.mean_waiting is None else round(s.mean_waiting, 1),
+        "lastDecisions": target.decisions or [],
+    }
+    now = time.monotonic()
+    previous = target.last_status or {}
+    if signals == previous:
+        return
+    decided = previous.get("lastDecisions") != signals["lastDecisions"]
+    if not decided and now - target.last_status_at < STATUS_EVERY_S:
+        return
+    custom = client.CustomObjectsApi(_api())
+    body = await asyncio.to_thread(
+        custom.get_namespaced_custom_object, GROUP, VERSION, target.namespace, PLURAL, target.name
+    )
+    conditions = list((body.get("status") or {}).get("conditions") or [])
+    active = s is not None and s.known > 0
+    before = next((c for c in conditions if c["type"] == "ScalingActive"), None)
+    status_word = "True" if active else "False"
+    condition = {
+        "type": "ScalingActive",
+        "status": status_word,
+        "reason": "MetricsAvailable" if active else "NoMetrics",
+        "message": "scaling on KV-cache usage and queue depth"
+        if active
+        else "no ready worker's metrics could be read; holding the replica count",
+        "lastTransitionTime": before["lastTransitionTime"]
+        if before and before.get("status") == status_word and before.get("lastTransitionTime")
+        else _now(),
+        "observedGeneration": body["metadata"].get("generation", 0),
+    }
+    conditions = [c for c in conditions if c["type"] != "ScalingActive"] + [condition]
+    patch = {
+        "status": {
+            "kvCacheUsage": signals["kvCacheUsage"],
+            "autoscaling": {**signals, "lastScrapeTime": _now()},
+            "conditions": conditions,
+        }
+    }
+    await asyncio.to_thread(
+        custom.patch_namespaced_custom_object_status,
+        GROUP,
+        VERSION,
+        target.namespace,
+        PLURAL,
+        target.name,
+        patch,
+    )
+    target.last_status, target.last_status_at = signals, now
+
+
+def _api() -> client.ApiClient:
+    from kvscale.operator.handlers import api
+
+    return api()
+
+
+def stop_all() -> None:
+    for target in list(_targets.values()):
+        if target.task is not None:
+            target.task.cancel()
+    with contextlib.suppress(Exception):
+        _targets.clear()
