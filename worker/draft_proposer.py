@@ -19,6 +19,7 @@ from kvscale.worker.config import EngineArgs
 from kvscale.worker.forward_batch import SeqChunk, build_forward_batch
 from kvscale.worker.kv_cache_sizing import bytes_per_block
 from kvscale.worker.model_loader import load_config, load_model
+from kvscale.worker.model_runner import allocate_kv_cache
 from kvscale.worker.request import Request
 from kvscale.worker.sampler import SamplingMetadata, random_sample, target_distribution
 
@@ -47,14 +48,7 @@ class DraftModelProposer:
         return bytes_per_block(s.num_layers, self.block_size, s.num_kv_heads, s.head_dim, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (self.spec.num_kv_heads, num_blocks, self.block_size, self.spec.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.spec.num_layers)
-        ]
+        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
 
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Logits at the last token of each chunk, in the chunks' order."""

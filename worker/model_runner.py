@@ -44,6 +44,18 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
     return requested
 
 
+def allocate_kv_cache(
+    spec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V per layer, head-major `[num_kv_heads, num_blocks, block_size, head_dim]`. Zeroed, not
+    empty: padded attention reads stale slots (masked out), and 0 * NaN would leak."""
+    shape = (spec.num_kv_heads, num_blocks, block_size, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+
+
 @dataclass
 class ModelRunnerOutput:
     # Aligned with SchedulerOutput.requests; empty for prefill chunks that do not end the prompt.
@@ -103,15 +115,7 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Zeroed, not empty: padded attention reads stale slots (masked out), and 0 * NaN would leak.
-        shape = (self.spec.num_kv_heads, num_blocks, self.block_size, self.spec.head_dim)  # head-major
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.spec.num_layers)
-        ]
+        return allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
 
     def _profile_activation_bytes(self, args: EngineArgs) -> int:
         """Peak memory of the largest step (one full-budget prefill), measured with a scratch cache."""
