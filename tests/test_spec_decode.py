@@ -195,6 +195,8 @@ def test_server_flags_and_metrics(tmp_path):
             model=str(TARGET), prompt=prompt, max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
         )
         assert got.choices[0].text == want.outputs[0].text
+        details = got.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens > 0
         status, body = server.get("/metrics")
         assert status == 200
         samples = {

@@ -423,9 +423,16 @@ def usage(finals: list[RequestOutput | None]) -> dict[str, Any]:
     done = [o for o in finals if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done)
     completion = sum(len(c.token_ids) for o in done for c in o.outputs)
+    proposed = sum(c.num_draft_tokens for o in done for c in o.outputs)
+    accepted = sum(c.num_accepted_tokens for o in done for c in o.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in done)},
+        # OpenAI's fields for tokens a prediction supplied: here, speculative proposals.
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": proposed - accepted,
+        },
     }
