@@ -16,7 +16,7 @@ import torch
 
 from kvscale.worker.attention import get_attention_backend
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.forward_batch import SeqChunk, build_forward_batch
+from kvscale.worker.forward_batch import SeqChunk, forward_logits
 from kvscale.worker.kv_cache_sizing import bytes_per_block
 from kvscale.worker.model_loader import load_config, load_model
 from kvscale.worker.model_runner import allocate_kv_cache
@@ -52,11 +52,9 @@ class DraftModelProposer:
 
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Logits at the last token of each chunk, in the chunks' order."""
-        batch = build_forward_batch(chunks, self.block_size, self.device)
-        hidden = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, self.backend, self.backend.prepare(batch.common)
+        return forward_logits(
+            self.model, self.backend, self.kv_caches, chunks, [1] * len(chunks), self.block_size, self.device
         )
-        return self.model.compute_logits(hidden[batch.last_token_rows([1] * len(chunks))])
 
     @torch.inference_mode()
     def propose(

@@ -109,7 +109,7 @@ class LLMEngine:
             with torch.inference_mode():
                 decoder.costs = profile_step_costs(
                     runner.forward,
-                    runner.draft.forward if runner.draft is not None else None,
+                    proposer,
                     runner.device,
                     args.num_lookahead_tokens,
                     args.max_num_seqs,

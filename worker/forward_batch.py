@@ -1,5 +1,5 @@
 """Flatten the sequences of one forward pass into model inputs: token ids, positions, KV slots and
-the attention metadata. Shared by the target's model runner and the draft model.
+the attention metadata, and run it. Shared by the target's model runner and the draft model.
 
 Rows are ordered [single-token sequences sorted by context length..., multi-token chunks...]: the
 attention backends batch decodes by length bucket and walk longer chunks one by one.
@@ -87,3 +87,23 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
         common=common,
         query_start_loc=query_start_loc,
     )
+
+
+def forward_logits(
+    model,
+    backend,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks: list[SeqChunk],
+    num_logits: list[int],
+    block_size: int,
+    device: torch.device,
+    graphs=None,
+) -> torch.Tensor:
+    """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
+    chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them."""
+    batch = build_forward_batch(chunks, block_size, device)
+    if graphs is not None and graphs.can_run(batch.common):
+        hidden = graphs.run(batch.input_ids, batch.positions, batch.common)
+    else:
+        hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))
+    return model.compute_logits(hidden[batch.last_token_rows(num_logits)])

@@ -15,7 +15,7 @@ import torch
 from kvscale.worker.attention import CommonAttentionMetadata, get_attention_backend
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.cuda_graphs import CUDAGraphRunner
-from kvscale.worker.forward_batch import SeqChunk, build_forward_batch
+from kvscale.worker.forward_batch import SeqChunk, forward_logits
 from kvscale.worker.kv_cache_sizing import bytes_per_block, free_memory_bytes, num_blocks_for
 from kvscale.worker.model_loader import load_config, load_model, resolve_dtype
 from kvscale.worker.rejection_sampler import RejectionSampler, SpecDecodeRow
@@ -147,13 +147,10 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
     def forward(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor:
         """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk."""
-        batch = build_forward_batch(chunks, self.block_size, self.device)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch.common):
-            hidden = self.cuda_graphs.run(batch.input_ids, batch.positions, batch.common)
-        else:
-            metadata = self.backend.prepare(batch.common)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.backend, metadata)
-        return self.model.compute_logits(hidden[batch.last_token_rows(num_logits)])
+        return forward_logits(
+            self.model, self.backend, self.kv_caches, chunks, num_logits, self.block_size, self.device,
+            self.cuda_graphs,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

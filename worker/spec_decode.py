@@ -20,7 +20,7 @@ import torch
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.draft_proposer import DraftModelProposer
 from kvscale.worker.forward_batch import SeqChunk
-from kvscale.worker.ngram_proposer import NgramProposer, ngram_propose
+from kvscale.worker.ngram_proposer import NgramProposer
 from kvscale.worker.request import Request
 from kvscale.worker.scheduler import Scheduler, SchedulerOutput
 from kvscale.worker.spec_lookahead import (
@@ -135,7 +135,7 @@ def _median_time(fn: Callable[[], object], device: torch.device, reps: int = 3) 
 
 def profile_step_costs(
     forward_target: Callable[[list[SeqChunk], list[int]], object],
-    forward_draft: Callable[[list[SeqChunk]], object] | None,
+    proposer: DraftModelProposer | NgramProposer,
     device: torch.device,
     k_max: int,
     max_num_seqs: int,
@@ -164,21 +164,24 @@ def profile_step_costs(
             chunks = [SeqChunk([0] * (1 + k), context, blocks) for _ in range(b)]
             row.append(_median_time(lambda c=chunks, k=k: forward_target(c, [1 + k] * len(c)), device))
         target.append(row)
-    if forward_draft is not None:
-        proposer = [
-            _median_time(
-                lambda b=b: forward_draft([SeqChunk([0], context, blocks) for _ in range(b)]), device
-            )
-            for b in sizes
-        ]
+    if isinstance(proposer, DraftModelProposer):
+        draft = proposer
+
+        def propose(b: int) -> object:  # one draft forward (one proposed position) for b sequences
+            return draft.forward([SeqChunk([0], context, blocks) for _ in range(b)])
     else:
-        history = list(range(PROFILE_CONTEXT)) * 2
-        proposer = [
-            _median_time(lambda b=b: [ngram_propose(history, k_max, 4, 1) for _ in range(b)], device)
-            for b in sizes
-        ]
+        ngram, history = proposer, list(range(PROFILE_CONTEXT)) * 2
+
+        def propose(b: int) -> object:  # the whole lookup for b sequences (always a match)
+            return ngram.propose([history] * b, [k_max] * b)
+
+    proposer_times = [_median_time(lambda b=b: propose(b), device) for b in sizes]
     costs = StepCostModel(
-        sizes, lookaheads, target, proposer, proposer_per_position=forward_draft is not None
+        sizes,
+        lookaheads,
+        target,
+        proposer_times,
+        proposer_per_position=isinstance(proposer, DraftModelProposer),
     )
     logger.info("speculative decoding step costs (s): %s", costs)
     return costs
