@@ -17,7 +17,7 @@ their meaning under speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -132,9 +132,7 @@ class RejectionSampler:
         rows_t = torch.tensor(index, device=logits.device)
         raw = logits[rows_t].log_softmax(dim=-1)
         wanted = metadata.num_logprobs
-        sub = SamplingMetadata(
-            **{**metadata.__dict__, "num_logprobs": None if wanted is None else [wanted[i] for i in index]}
-        )
+        sub = replace(metadata, num_logprobs=None if wanted is None else [wanted[i] for i in index])
         per_token = gather_logprobs(raw, torch.tensor(sampled, device=logits.device), sub)
         result: list[list[TokenLogprobs] | None] = []
         for start, count in spans:
