@@ -18,7 +18,7 @@ import urllib.request
 from collections import Counter
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 from test_controlplane import wait_for
 from test_operator import apply, example, get_cr, namespace, operator  # noqa: F401 (fixtures)
 
@@ -190,6 +190,54 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     assert "KV USAGE" in printed
     events = operator.kubectl("get", "events", "-n", ns, "--field-selector", "reason=Scaled").stdout
     assert "scale up 1 -> 2" in events and "scale down 2 -> 1" in events, events
+
+    # Autoscaling off (a GitOps change to a fixed count): the count is the spec's again, and the
+    # autoscaler's signals leave status rather than going stale.
+    fixed = {**doc, "spec": {**doc["spec"], "replicas": 2}}
+    del fixed["spec"]["autoscaling"]
+    apply(operator, fixed)
+
+    def fixed_and_clean():
+        status = get_cr(operator, name, ns).get("status") or {}
+        kinds = {c["type"] for c in status.get("conditions", [])}
+        return (
+            apps.read_namespaced_deployment(name, ns).spec.replicas == 2
+            and "autoscaling" not in status
+            and "kvCacheUsage" not in status
+            and "ScalingActive" not in kinds
+        )
+
+    wait_for(fixed_and_clean, timeout=60, interval=0.5, what="replicas 2 and no autoscaler status")
+    wait_for(lambda: len(load.serving_pods()) == 2, timeout=180, interval=0.5, what="two workers")
+
+    # And on again: the live count is handed to the autoscaler, so dropping `replicas` from our
+    # apply does not reset the Deployment to its default of 1 (the idle workers fit on one, but
+    # only after the 60 s down-window may the autoscaler say so).
+    doc["spec"]["autoscaling"]["scaleDownStabilizationSeconds"] = 60
+    watch_from = apps.read_namespaced_deployment(name, ns).metadata.resource_version
+    apply(operator, doc)
+    wait_for(
+        lambda: "autoscaling" in (get_cr(operator, name, ns).get("status") or {}),
+        timeout=60,
+        interval=0.5,
+        what="the autoscaler to report again",
+    )
+    seen = [
+        e["object"].spec.replicas
+        for e in watch.Watch().stream(
+            apps.list_namespaced_deployment,
+            ns,
+            resource_version=watch_from,
+            timeout_seconds=5,
+        )
+    ]
+    assert seen and set(seen) == {2}, seen
+    owners = {
+        f.manager
+        for f in apps.read_namespaced_deployment(name, ns).metadata.managed_fields
+        if "f:replicas" in (f.fields_v1 or {}).get("f:spec", {})
+    }
+    assert "kvscale-autoscaler" in owners and "kvscale-operator" not in owners, owners
 
     # Delete the resource (and wait for its workers) before the namespace goes.
     client.CustomObjectsApi(operator.api).delete_namespaced_custom_object(

@@ -33,14 +33,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kvscale.operator.autoscaling import Decision, Params, PodLoad, Sample, decide
-from kvscale.operator.children import PORT, selector_string
+from kvscale.operator.children import AUTOSCALER_MANAGER, PORT, selector_string
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_INTERVAL_S = 2.0
 SCRAPE_TIMEOUT_S = 1.5
-FIELD_MANAGER = "kvscale-autoscaler"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
@@ -238,7 +237,7 @@ async def _scale(target: Target, pods: list[client.V1Pod], current: int, decisio
         name,
         ns,
         {"spec": {"replicas": decision.replicas}},
-        field_manager=FIELD_MANAGER,
+        field_manager=AUTOSCALER_MANAGER,
     )
     record = {
         "time": _now(),
@@ -273,6 +272,8 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
     body = await asyncio.to_thread(
         custom.get_namespaced_custom_object, GROUP, VERSION, target.namespace, PLURAL, target.name
     )
+    if not (body.get("spec") or {}).get("autoscaling"):
+        return  # autoscaling was just removed (this task is being stopped): nothing to report
     conditions = list((body.get("status") or {}).get("conditions") or [])
     active = s is not None and s.known > 0
     before = next((c for c in conditions if c["type"] == "ScalingActive"), None)

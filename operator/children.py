@@ -14,6 +14,7 @@ from typing import Any
 from kvscale.operator.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
 
 MANAGER = "kvscale-operator"  # our field manager and the managed-by label
+AUTOSCALER_MANAGER = "kvscale-autoscaler"  # the autoscaler's, for the Deployment's replicas
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -235,6 +236,34 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[
     if spec.desired_replicas is not None:
         body["spec"]["replicas"] = spec.desired_replicas
     return body
+
+
+def replicas_handover(live: dict[str, Any]) -> dict[str, Any] | None:
+    """What the autoscaler's field manager must apply before our apply drops `spec.replicas`.
+
+    Switching a resource from `replicas` to `autoscaling` takes the field out of our apply. If we
+    are its only owner, the API server then removes it and the Deployment falls back to its
+    default, 1 replica, until the autoscaler scales it again. Applying the live value under the
+    autoscaler's manager first makes the field co-owned (the same value never conflicts), so our
+    apply only gives up our share and the count stays (Kubernetes' documented hand-over to an
+    HPA). None when there is nothing to hand over.
+    """
+    replicas = (live.get("spec") or {}).get("replicas")
+    ours = any(
+        entry.get("manager") == MANAGER
+        and entry.get("operation") == "Apply"
+        and "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+        for entry in (live.get("metadata") or {}).get("managedFields") or []
+    )
+    if replicas is None or not ours:
+        return None
+    meta = live["metadata"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": {"replicas": replicas},
+    }
 
 
 def service(owner: Owner) -> dict[str, Any]:

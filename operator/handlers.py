@@ -20,7 +20,16 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from kvscale.operator.children import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER, Owner, children, selector_string
+from kvscale.operator.children import (
+    AUTOSCALER_MANAGER,
+    LABEL_MANAGED_BY,
+    LABEL_OWNER,
+    MANAGER,
+    Owner,
+    children,
+    replicas_handover,
+    selector_string,
+)
 from kvscale.operator.models import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
 from kvscale.operator.status import compute_status
 
@@ -71,14 +80,14 @@ def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         raise
 
 
-def server_side_apply(obj: dict[str, Any]) -> dict[str, Any]:
+def server_side_apply(obj: dict[str, Any], manager: str = MANAGER) -> dict[str, Any]:
     meta = obj["metadata"]
     patch = _ops(obj["kind"])[1]
     response = patch(
         meta["name"],
         meta["namespace"],
         obj,
-        field_manager=MANAGER,
+        field_manager=manager,
         force=True,
         _content_type=APPLY,
         _preload_content=False,
@@ -123,6 +132,10 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
         kind = child["kind"]
         before = read(kind, name, namespace)
         try:
+            if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
+                handover = replicas_handover(before)
+                if handover is not None:  # switching to autoscaling: keep today's count
+                    server_side_apply(handover, manager=AUTOSCALER_MANAGER)
             after = server_side_apply(child)
         except ApiException as e:
             error = f"applying the {kind} failed: {e.status} {e.reason}"
@@ -144,6 +157,9 @@ def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: loggi
     )
     _announce_transitions(body, previous, status["conditions"])
     patch.status.update(status)
+    if spec.autoscaling is None:  # the autoscaler's signals would be stale: no longer reported
+        patch.status["autoscaling"] = None
+        patch.status["kvCacheUsage"] = None
     if error:
         raise kopf.TemporaryError(error, delay=15)
 

@@ -15,7 +15,9 @@ served under each policy:
 - `hpa-utilisation`: a HorizontalPodAutoscaler on accelerator utilisation (busy share x the
   throughput the batch reaches, as DCGM's SM activity reports it) with target 70 %, its 15 s
   sync, 10 % tolerance, 300 s scale-down stabilisation and its default scale-up rate;
-- `static-peak`: the fewest fixed workers that meet the TTFT SLO on this trace (searched).
+- `static-peak`: the fewest fixed workers that meet the TTFT SLO on this trace (searched);
+- `oracle`: a bound, not a policy: it knows the arrival rate one model load ahead and a worker's
+  capacity (static peak's), so the distance to it is what forecasting could still win.
 
 Reported per policy: SLO attainment (share of all requests whose time to first token is under
 the bound; a 429 or an aborted request counts as a miss), replica-seconds (workers loading, ready
@@ -346,6 +348,23 @@ class HpaUtilisationPolicy(Policy):
         return min(current, max(r for _, r in self.recs)), ()  # 300 s scale-down stabilisation
 
 
+class OraclePolicy(Policy):
+    """A bound, not a policy anyone can run: it knows the trace's arrival rate one model load
+    ahead and how many requests/s one worker takes (the trace's peak rate over static peak's
+    workers), and sizes for the higher of now and then, never under `floor` workers (one worker
+    alone has no one to share a burst with). What separates a policy from this row is what a
+    better forecast and a known capacity could still win."""
+
+    name = "oracle"
+
+    def __init__(self, rate: Callable[[float], float], per_worker: float, lead_s: float, lo: int, hi: int):
+        self.rate, self.per_worker, self.lead, self.lo, self.hi = rate, per_worker, lead_s, lo, hi
+
+    def decide(self, now, workers, current):
+        demand = max(self.rate(now), self.rate(now + self.lead)) / self.per_worker
+        return min(self.hi, max(self.lo, math.ceil(demand - 1e-9))), ()
+
+
 class StaticPolicy(Policy):
     name = "static-peak"
     interval_s = 3600.0
@@ -482,7 +501,7 @@ def simulate(
     max_replicas: int = 16,
     model: WorkerModel | None = None,
     trace: TraceConfig | None = None,
-    policies: tuple[str, ...] = ("kvscale", "request-count", "hpa-utilisation", "static-peak"),
+    policies: tuple[str, ...] = ("kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"),
     autoscaling: dict | None = None,
 ) -> dict:
     """`autoscaling`: AutoscalingSpec fields (snake_case) overriding its defaults for our policy."""
@@ -499,17 +518,22 @@ def simulate(
     }
     results = []
     for name in policies:
-        if name == "static-peak":
+        if name in ("static-peak", "oracle"):
             continue
         results.append(run(makers[name](), requests, rate, model, trace.duration_s, slo_s))
-    if "static-peak" in policies:
+    if "static-peak" in policies or "oracle" in policies:
         static = None
         for n in range(1, max_replicas + 1):  # the fewest fixed workers that meet the SLO
             static = run(StaticPolicy(n), requests, rate, model, trace.duration_s, slo_s, initial=n)
             if static.slo_attainment >= 0.99:
                 break
         assert static is not None
-        results.append(static)
+        if "oracle" in policies:
+            peak = max(rate(t) for t in range(int(trace.duration_s)))
+            oracle = OraclePolicy(rate, peak / static.max_replicas, model.load_time_s, 2, max_replicas)
+            results.append(run(oracle, requests, rate, model, trace.duration_s, slo_s))
+        if "static-peak" in policies:
+            results.append(static)
     return {
         "seed": seed,
         "slo_ttft_s": slo_s,
@@ -588,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-replicas", type=int, default=16)
     parser.add_argument("--load-time", type=float, default=WorkerModel.load_time_s, help="model load seconds")
     parser.add_argument("--kv-blocks", type=int, default=WorkerModel.kv_blocks)
-    parser.add_argument("--policies", default="kvscale,request-count,hpa-utilisation,static-peak")
+    parser.add_argument("--policies", default="kvscale,request-count,hpa-utilisation,oracle,static-peak")
     parser.add_argument(
         "--set",
         action="append",

@@ -94,7 +94,8 @@ def compute_status(
             "Degraded", failure is not None, *(failure or ("AsExpected", "")), generation, previous, now
         ),
     ]
-    if "ScalingActive" in previous:  # owned by the autoscaler: carried over untouched
+    # Owned by the autoscaler: carried over untouched while it runs, dropped once it does not.
+    if "ScalingActive" in previous and desired is None:
         conditions.append(previous["ScalingActive"])
     return {
         "observedGeneration": generation,

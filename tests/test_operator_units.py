@@ -13,10 +13,12 @@ from pydantic import ValidationError
 from kvscale.operator.children import (
     LABEL_MANAGED_BY,
     LABEL_OWNER,
+    MANAGER,
     PRESTOP_SECONDS,
     Owner,
     children,
     deployment,
+    replicas_handover,
     selector_string,
 )
 from kvscale.operator.crd import crd, crd_yaml, reference_markdown
@@ -154,6 +156,50 @@ def test_autoscaling_leaves_replicas_to_the_autoscaler_and_pvc_models_are_mounte
         "claimName": "models",
         "readOnly": True,
     }
+
+
+def live_deployment(replicas: int | None, managers: list[tuple[str, str, dict]]) -> dict:
+    fields = [{"manager": m, "operation": op, "fieldsV1": f} for m, op, f in managers]
+    spec = {} if replicas is None else {"replicas": replicas}
+    return {"metadata": {"name": "tiny", "namespace": "ns", "managedFields": fields}, "spec": spec}
+
+
+def test_switching_to_autoscaling_hands_the_live_replica_count_over():
+    ours = (MANAGER, "Apply", {"f:spec": {"f:replicas": {}, "f:template": {}}})
+    handover = replicas_handover(live_deployment(3, [ours]))
+    assert handover == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "tiny", "namespace": "ns"},
+        "spec": {"replicas": 3},  # today's count, so the co-owned field survives our apply
+    }
+    # Nothing to hand over: the field is not ours (already handed over, or the autoscaler's own
+    # scale updates), or ours only through an Update, or there is no count.
+    scaler = ("kvscale-autoscaler", "Update", {"f:spec": {"f:replicas": {}}})
+    without = (MANAGER, "Apply", {"f:spec": {"f:template": {}}})
+    assert replicas_handover(live_deployment(3, [without, scaler])) is None
+    assert (
+        replicas_handover(live_deployment(3, [(MANAGER, "Update", {"f:spec": {"f:replicas": {}}})])) is None
+    )
+    assert replicas_handover(live_deployment(None, [ours])) is None
+    assert (
+        replicas_handover({"metadata": {"name": "tiny", "namespace": "ns"}, "spec": {"replicas": 2}}) is None
+    )
+
+
+def test_the_autoscalers_condition_goes_with_autoscaling():
+    common = {
+        "name": "x",
+        "generation": 2,
+        "selector": "s",
+        "now": "t",
+        "deployment": deployment_status(2, 2, 2, 2),
+    }
+    scaling = {"type": "ScalingActive", "status": "True", "reason": "MetricsAvailable", "message": ""}
+    kept = compute_status(**common, desired=None, previous_conditions=[scaling])
+    assert scaling in kept["conditions"]
+    dropped = compute_status(**common, desired=2, previous_conditions=[scaling])
+    assert "ScalingActive" not in {c["type"] for c in dropped["conditions"]}
 
 
 def deployment_status(

@@ -16,7 +16,7 @@ def small(seed: int) -> dict:
         max_replicas=6,
         trace=simulate.TraceConfig(duration_s=240, quiet_start_s=20, burst_every_s=60, burst_len_s=60),
         model=simulate.WorkerModel(load_time_s=10),
-        policies=("kvscale", "request-count", "hpa-utilisation", "static-peak"),
+        policies=("kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"),
     )
 
 
@@ -25,7 +25,7 @@ def test_report_shape_and_determinism():
     assert json.dumps(a) == json.dumps(b)  # same seed, same report
     assert json.dumps(small(4)["results"]) != json.dumps(a["results"])
     names = [r["policy"] for r in a["results"]]
-    assert names == ["kvscale", "request-count", "hpa-utilisation", "static-peak"]
+    assert names == ["kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"]
     for r in a["results"]:
         assert 0.0 <= r["slo_attainment"] <= 1.0
         assert r["replica_seconds"] > 0 and r["requests"] == a["requests"] > 100
@@ -34,6 +34,23 @@ def test_report_shape_and_determinism():
     static = a["results"][-1]
     assert static["scaling_actions"] == 0
     assert "| kvscale |" in simulate.table(a)
+
+
+def test_the_oracle_bound_knows_the_future_and_the_capacity():
+    """The oracle row (a bound, not a policy) sizes for the rate one load ahead at static peak's
+    per-worker rate: it serves more requests in time than our policy, for less than static peak."""
+    report = small(3)
+    ours, oracle, static = report["results"][0], report["results"][-2], report["results"][-1]
+    assert oracle["policy"] == "oracle" and static["policy"] == "static-peak"
+    assert oracle["slo_attainment"] > ours["slo_attainment"]
+    assert oracle["replica_seconds"] < static["replica_seconds"]
+    assert min(n for _, n, _ in oracle["timeline"]) >= 2  # never a lone worker
+
+    rate = lambda t: 2.0 if t < 100 else 8.0  # noqa: E731
+    policy = simulate.OraclePolicy(rate, per_worker=2.0, lead_s=30, lo=2, hi=16)
+    assert policy.decide(60.0, [], 2) == (2, ())
+    assert policy.decide(75.0, [], 2) == (4, ())  # the step 25 s ahead is within one load
+    assert policy.decide(200.0, [], 4) == (4, ())
 
 
 def test_worker_model_interpolates_the_benchmark():
