@@ -3,31 +3,22 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscale.worker.bench.serve import ServerProcess as BenchServerProcess
+from kvscale.worker.bench.serve import free_port, server_command
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["ServerProcess", "free_port", "start_server"]
 
 
 @dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+class ServerProcess(BenchServerProcess):
+    """The benchmark's server handle (start, wait for /ready, SIGTERM then kill), plus what tests
+    read: a GET, and the log."""
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
@@ -36,31 +27,8 @@ class ServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.get("/ready")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
-
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def start_server(
@@ -69,8 +37,17 @@ def start_server(
     """`extra_args` are CLI flags (e.g. "--api-key", "k", "--num-kv-blocks", "256")."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    exe = Path(sys.executable).with_name("kvscale-worker")
-    cmd = [str(exe), "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    cmd = [
+        *server_command(),
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     proc = subprocess.Popen(
         cmd,
         stdout=log_path.open("w"),

@@ -48,13 +48,13 @@ WARMUP_PROMPT = [0, 5, 6, 7]
 
 
 # -- the server subprocess ---------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _server_command() -> list[str]:
+def server_command() -> list[str]:
     exe = Path(sys.executable).with_name("kvscale-worker")  # the entry point of this same venv
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.worker.cli"]
 
@@ -100,7 +100,7 @@ class ServerProcess:
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -136,11 +136,11 @@ class ServerProcess:
 def start_server(
     model: str, flags: list[str], log_path: Path, profile_prefix: str | None = None, timeout: float = 600.0
 ) -> ServerProcess:
-    port = _free_port()
+    port = free_port()
     args = ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *flags]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile_prefix is None:
-        cmd = [*_server_command(), *args]
+        cmd = [*server_command(), *args]
     else:
         cmd = [sys.executable, "-c", _PROFILED_SERVER, *args]
         env["KVSCALE_BENCH_PROFILE"] = profile_prefix
