@@ -351,9 +351,9 @@ class HpaUtilisationPolicy(Policy):
 class OraclePolicy(Policy):
     """A bound, not a policy anyone can run: it knows the trace's arrival rate one model load
     ahead and how many requests/s one worker takes (the trace's peak rate over static peak's
-    workers), and sizes for the higher of now and then, never under `floor` workers (one worker
-    alone has no one to share a burst with). What separates a policy from this row is what a
-    better forecast and a known capacity could still win."""
+    workers), and sizes for the higher of now and then, never under `lo` workers (the simulator
+    uses 2: one worker alone has no one to share a burst with). What separates a policy from this
+    row is what a better forecast and a known capacity could still win."""
 
     name = "oracle"
 

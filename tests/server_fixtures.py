@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvscale.worker.bench.serve import ServerProcess as BenchServerProcess
-from kvscale.worker.bench.serve import free_port, server_command
+from kvscale.worker.bench.serve import free_port, serve_args, server_command
 
 __all__ = ["ServerProcess", "free_port", "start_server"]
 
@@ -37,17 +37,7 @@ def start_server(
     """`extra_args` are CLI flags (e.g. "--api-key", "k", "--num-kv-blocks", "256")."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    cmd = [
-        *server_command(),
-        "serve",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *extra_args,
-    ]
+    cmd = [*server_command(), *serve_args(model, port, extra_args)]
     proc = subprocess.Popen(
         cmd,
         stdout=log_path.open("w"),

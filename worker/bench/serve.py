@@ -59,6 +59,11 @@ def server_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.worker.cli"]
 
 
+def serve_args(model: str, port: int, flags: list[str] | tuple[str, ...]) -> list[str]:
+    """The worker CLI's arguments for a server on localhost:port."""
+    return ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+
+
 # Runs the server with every thread under its own cProfile (the engine steps in a thread of its
 # own, which `python -m cProfile` would miss); each thread's stats go to PREFIX.<thread name>.
 _PROFILED_SERVER = """
@@ -137,7 +142,7 @@ def start_server(
     model: str, flags: list[str], log_path: Path, profile_prefix: str | None = None, timeout: float = 600.0
 ) -> ServerProcess:
     port = free_port()
-    args = ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+    args = serve_args(model, port, flags)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile_prefix is None:
         cmd = [*server_command(), *args]
