@@ -97,6 +97,7 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    startup_s: float | None = None  # process start to /ready (set by start_server)
 
     @property
     def base_url(self) -> str:
@@ -149,6 +150,7 @@ def start_server(
     else:
         cmd = [sys.executable, "-c", _PROFILED_SERVER, *args]
         env["KVSCALE_BENCH_PROFILE"] = profile_prefix
+    started = time.monotonic()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log_path)
@@ -157,6 +159,9 @@ def start_server(
     except BaseException:
         server.stop()
         raise
+    # Process start to /ready: what a new worker takes before it serves (the autoscaling
+    # simulator's load time, docs/autoscaling.md).
+    server.startup_s = time.monotonic() - started
     return server
 
 
@@ -364,6 +369,7 @@ def run(args) -> dict[str, Any]:
             level = asyncio.run(run_level(server.base_url, workload, c))
             # Where the cores went during the level: both processes share the same machine.
             level["client_cpu_s"] = round(time.process_time() - client_cpu, 2)
+            level["server_startup_s"] = round(server.startup_s or 0.0, 2)
             if server_cpu is not None:
                 level["server_cpu_s"] = round(server.cpu_seconds() - server_cpu, 2)
         finally:
