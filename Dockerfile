@@ -38,7 +38,7 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------
 # The operator: kvscale.operator imports kopf, kubernetes, pydantic and pyyaml only (and
-# kvscale.worker.json_logging, which is stdlib-only), so the package goes in without its
+# kvscale.worker.server.json_logging, which is stdlib-only), so the package goes in without its
 # dependencies and the four are installed by hand (minimum versions as in pyproject.toml).
 FROM base AS operator
 

@@ -6,7 +6,7 @@ tests) and a Triton version with the same signature for the GPU path.
   imported only on demand (they need the `triton` package; on a CPU only under TRITON_INTERPRET=1).
 - The names exported here: the norms and rotary dispatch on the tensor's device (Triton on CUDA);
   attention and the KV-cache write are the references, the engine's attention backend picks the
-  implementation (worker/attention.py, worker/attention_triton.py).
+  implementation (worker/model/attention/backend.py, worker/model/attention/triton_backend.py).
 """
 
 from kvscale.kernels.dispatch import (

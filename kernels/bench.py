@@ -346,7 +346,7 @@ def build_model(path: Path) -> dict:
     """Random bf16 weights in a local Hugging Face folder; the tokenizer is trained locally."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from kvscale.worker.tiny_model import train_tokenizer
+    from kvscale.worker.testing.tiny_model import train_tokenizer
 
     tokenizer = train_tokenizer()
     tokenizer.save_pretrained(path)
@@ -389,7 +389,7 @@ def engine_generate(
     path: Path, prompts: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[list[int]], dict]:
     from kvscale.worker import LLM, SamplingParams
-    from kvscale.worker.cuda_graphs import CUDAGraphRunner
+    from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 
     batch = prompts.shape[0]
     llm = LLM(

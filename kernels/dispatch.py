@@ -1,6 +1,6 @@
 """Device dispatch for the kernels the model calls directly (norms, rotary): Triton on CUDA
 tensors, the plain-torch reference everywhere else. Attention and the KV-cache write are chosen by
-the engine's attention backend instead (worker/attention.py), so they are not dispatched here.
+the engine's attention backend instead (worker/model/attention/backend.py), so they are not dispatched here.
 
 Triton is imported lazily: importing kvscale.kernels never needs it. `KVSCALE_TRITON_KERNELS=0`
 forces the references on CUDA too (debugging, bisecting a numerical difference).

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     crd.set_defaults(func=cmd_crd)
     args = parser.parse_args(argv)
 
-    from kvscale.worker.json_logging import configure_logging
+    from kvscale.worker.server.json_logging import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     return args.func(args)

@@ -17,7 +17,7 @@ def target_model() -> str:
 @pytest.fixture(scope="session")
 def random_model_factory(tmp_path_factory):
     """Builds (once per session) the random model named by a RANDOM_CONFIGS key."""
-    from kvscale.worker.tiny_model import build_tiny_model
+    from kvscale.worker.testing.tiny_model import build_tiny_model
 
     built: dict[str, str] = {}
 

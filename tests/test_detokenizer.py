@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from kvscale.worker.detokenizer import IncrementalDetokenizer
+from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 
 TINY_CODE = Path("/work/shared/models/tiny-code-target")
 MULTIBYTE = "é中😀ñ€ß日本"

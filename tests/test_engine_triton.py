@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("triton")
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.attention_triton import TritonAttentionBackend
-from kvscale.worker.cuda_graphs import CUDAGraphRunner
+from kvscale.worker.model.attention.triton_backend import TritonAttentionBackend
+from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 
 
 def prompts(vocab_size: int) -> list[list[int]]:
@@ -65,8 +65,8 @@ class EagerGraphs(CUDAGraphRunner):
 def test_cuda_graph_runner_pads_and_matches_eager(random_model_factory):
     import torch
 
-    from kvscale.worker.attention import CommonAttentionMetadata
-    from kvscale.worker.model_loader import load_config, load_model
+    from kvscale.worker.model.attention.backend import CommonAttentionMetadata
+    from kvscale.worker.model.loader import load_config, load_model
 
     path = random_model_factory("llama-gqa")
     config = load_config(path)

@@ -29,12 +29,10 @@ from kvscale.kernels import (
     triton_paged_attention,
     triton_rotary,
 )
-from kvscale.worker.attention import (
-    CommonAttentionMetadata,
-    TorchAttentionBackend,
-    get_attention_backend,
-)
-from kvscale.worker.attention_triton import TritonAttentionBackend
+from kvscale.worker.model.attention.backend import CommonAttentionMetadata
+from kvscale.worker.model.attention.selector import get_attention_backend
+from kvscale.worker.model.attention.torch_backend import TorchAttentionBackend
+from kvscale.worker.model.attention.triton_backend import TritonAttentionBackend
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 DTYPES = [torch.float32, torch.bfloat16]

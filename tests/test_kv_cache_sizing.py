@@ -1,4 +1,4 @@
-"""KV pool sizing: the pure arithmetic of kv_cache_sizing, and one engine built from a byte budget."""
+"""KV pool sizing: the pure arithmetic of model/kv_cache.py, and one engine built from a byte budget."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvscale.worker import LLM
-from kvscale.worker.kv_cache_sizing import (
+from kvscale.worker.model.kv_cache import (
     CPU_DEFAULT_KV_BYTES,
     GiB,
     bytes_per_block,

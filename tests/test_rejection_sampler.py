@@ -18,9 +18,9 @@ import torch
 from model_fixtures import DRAFT, TARGET
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker import rejection_sampler as rs
-from kvscale.worker.rejection_sampler import RejectionSampler, SpecDecodeRow
-from kvscale.worker.request import Request
+from kvscale.worker.core.request import Request
+from kvscale.worker.sample import rejection_sampler as rs
+from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
 
 SIGNIFICANCE = 1e-3
 

@@ -9,15 +9,15 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvscale.worker.request import Request
-from kvscale.worker.sampler import (
+from kvscale.worker.core.request import Request
+from kvscale.worker.sample.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
 )
-from kvscale.worker.sampling_params import SamplingParams
+from kvscale.worker.sample.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 1

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvscale.worker.kv_cache_manager import KVCacheManager
-from kvscale.worker.request import Request, RequestStatus
-from kvscale.worker.sampling_params import SamplingParams
-from kvscale.worker.scheduler import Scheduler, SchedulerConfig
+from kvscale.worker.core.kv_cache_manager import KVCacheManager
+from kvscale.worker.core.request import Request, RequestStatus
+from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
+from kvscale.worker.sample.sampling_params import SamplingParams
 
 EOS = 1
 

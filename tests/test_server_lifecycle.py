@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import ServerProcess, start_server
 
-from kvscale.worker.async_engine import AsyncLLM, EngineDeadError
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.sampling_params import SamplingParams
+from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
+from kvscale.worker.sample.sampling_params import SamplingParams
 
 PROMPT = "def fibonacci(n):\n"  # shorter than a KV block: no prefix-cache sharing between requests
 

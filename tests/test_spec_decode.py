@@ -9,8 +9,8 @@ from model_fixtures import DRAFT, TARGET
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.bench.workload import code_workload
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.model_loader import load_tokenizer
-from kvscale.worker.ngram_proposer import ngram_propose
+from kvscale.worker.model.loader import load_tokenizer
+from kvscale.worker.spec_decode.ngram_proposer import ngram_propose
 
 pytestmark = pytest.mark.skipif(not (TARGET.is_dir() and DRAFT.is_dir()), reason="model pair missing")
 
@@ -155,7 +155,7 @@ def test_draft_model_alone_implies_the_draft_method():
 
 
 def test_draft_with_another_vocabulary_is_refused(random_model_factory, tmp_path):
-    from kvscale.worker.tiny_model import build_tiny_model
+    from kvscale.worker.testing.tiny_model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other-vocab", seed=2)  # its own locally trained tokenizer
     with pytest.raises(ValueError, match="vocabulary"):

@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from model_fixtures import TARGET
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.kv_cache_manager import cdiv
+from kvscale.worker.core.kv_cache_manager import cdiv
 
 pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="model pair missing")
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from kvscale.worker.tiny_model import build_tiny_model
+    from kvscale.worker.testing.tiny_model import build_tiny_model
 
     draft = build_tiny_model(tmp_path_factory.mktemp("bad-draft"), tokenizer_from=TARGET, seed=5)
     common = dict(num_kv_blocks=24, block_size=8, max_num_seqs=6, max_num_batched_tokens=48,
@@ -41,7 +41,7 @@ def check_invariants(engine) -> None:
         assert len(blocks) <= cdiv(request.num_tokens, kv.block_size)
         # The prefix index only ever holds blocks of verified tokens.
         bs = kv.block_size
-        for i in range(kv.num_cached_blocks[request.request_id]):
+        for i in range(kv.num_hashed_blocks[request.request_id]):
             if blocks[i].token_ids is not None:
                 assert list(blocks[i].token_ids) == request.all_token_ids[i * bs : (i + 1) * bs]
     for request in engine.scheduler.waiting:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvscale.worker.spec_lookahead import (
+from kvscale.worker.spec_decode.lookahead import (
     StepCostModel,
     acceptance_rate,
     expected_tokens,

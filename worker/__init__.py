@@ -9,11 +9,11 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "kvscale.worker.llm",
-    "CompletionOutput": "kvscale.worker.outputs",
+    "CompletionOutput": "kvscale.worker.engine.outputs",
     "EngineArgs": "kvscale.worker.config",
-    "LLMEngine": "kvscale.worker.engine",
-    "RequestOutput": "kvscale.worker.outputs",
-    "SamplingParams": "kvscale.worker.sampling_params",
+    "LLMEngine": "kvscale.worker.engine.llm_engine",
+    "RequestOutput": "kvscale.worker.engine.outputs",
+    "SamplingParams": "kvscale.worker.sample.sampling_params",
 }
 __all__ = list(_EXPORTS)
 

@@ -17,7 +17,7 @@ import sys
 import time
 
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.json_logging import configure_logging
+from kvscale.worker.server.json_logging import configure_logging
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n",
@@ -43,7 +43,7 @@ def _default_model() -> str:
     import os
     import shutil
 
-    from kvscale.worker.tiny_model import build_tiny_model, default_model_dir
+    from kvscale.worker.testing.tiny_model import build_tiny_model, default_model_dir
 
     path = default_model_dir()
     if not (path / "model.safetensors").is_file():
@@ -94,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvscale.worker.api_server import ServerConfig, serve
+    from kvscale.worker.server.api_server import ServerConfig, serve
 
     args.model = resolve_model(args.model)
     config = ServerConfig(

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.engine import LLMEngine
-from kvscale.worker.outputs import RequestOutput
-from kvscale.worker.sampling_params import SamplingParams
+from kvscale.worker.engine.llm_engine import LLMEngine
+from kvscale.worker.engine.outputs import RequestOutput
+from kvscale.worker.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

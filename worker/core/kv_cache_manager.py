@@ -1,0 +1,152 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvscale.worker.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvscale.worker.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, like vLLM's prefix_cache_queries / prefix_cache_hits."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are already in the prefix-cache index.
+        self.num_hashed_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes over every full block of its known tokens."""
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks matching the request's leading tokens.
+
+        At least one token is always left to compute: the forward pass must produce the logits
+        of the last token.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hits: list[KVCacheBlock] = []
+        for i in range(min(max_blocks, len(request.block_hashes))):
+            parent = request.block_hashes[i - 1] if i else None
+            block = self.block_pool.get_indexed_block(
+                request.block_hashes[i], parent, request.all_token_ids[i * bs : (i + 1) * bs]
+            )
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a lookup once, when the request is admitted for the first time (a lookup that
+        finds no room, or the recompute after a preemption, would inflate the hit rate)."""
+        if self.enable_caching and request.num_preemptions == 0:
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        """Make room for num_new_tokens more tokens after the computed ones. Returns False, changing
+        nothing, when the pool cannot provide the blocks (the caller then preempts or waits)."""
+        new_computed_blocks = new_computed_blocks or []
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        # Cached hits with ref_cnt 0 count as free but stop being so once we take them.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return False
+
+        if rid not in self.req_to_blocks:
+            self.req_to_blocks[rid], self.req_to_block_ids[rid] = [], []
+            self.num_hashed_blocks[rid] = 0
+        blocks, block_ids = self.req_to_blocks[rid], self.req_to_block_ids[rid]
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            block_ids.extend(b.block_id for b in new_computed_blocks)
+            self.num_hashed_blocks[rid] += len(new_computed_blocks)
+        if num_new_blocks > 0:
+            new_blocks = self.block_pool.allocate(num_new_blocks)
+            blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
+        # Index the blocks that this step's forward will complete. Only known tokens are hashed,
+        # so a block holding unverified (e.g. speculative) tokens is never indexed.
+        self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid, bs = request.request_id, self.block_size
+        start, end = self.num_hashed_blocks[rid], num_tokens // bs
+        if end <= start:
+            return
+        self._update_block_hashes(request)
+        blocks, hashes, tokens = self.req_to_blocks[rid], request.block_hashes, request.all_token_ids
+        for i in range(start, end):
+            parent = hashes[i - 1] if i else None
+            self.block_pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+        self.num_hashed_blocks[rid] = end
+
+    def free_excess_blocks(self, request: Request) -> None:
+        """Return blocks beyond what the request's tokens need: slots reserved for proposed tokens
+        that were rejected. Such blocks hold no verified full block, so none is in the prefix index."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        if not blocks:
+            return
+        keep = self.blocks_needed(request.num_tokens)
+        if len(blocks) > keep:
+            excess = blocks[keep:]
+            del blocks[keep:]
+            del self.req_to_block_ids[rid][keep:]
+            self.block_pool.free(list(reversed(excess)))
+
+    def free(self, request: Request) -> None:
+        """Give back every block the request holds (tail first, see BlockPool.free)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
+        self.num_hashed_blocks.pop(rid, None)
+        if blocks:
+            self.block_pool.free(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_block_ids.get(request_id, [])

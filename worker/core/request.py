@@ -1,0 +1,117 @@
+"""A request's life inside the engine: WAITING -> RUNNING -> FINISHED_*, RUNNING -> PREEMPTED -> RUNNING."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvscale.worker.sample.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Lost its KV blocks to make room; waits (first in line) to be recomputed from its tokens.
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop", "length" or "abort"; None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives, from the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    # Effective cap on generated tokens (max_tokens already clipped to the model length).
+    max_tokens: int = 16
+    arrival_time: float = field(default_factory=time.monotonic)
+    prompt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V sit in the cache. The newest sampled token is never computed yet.
+    num_computed_tokens: int = 0
+    # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.
+    block_hashes: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until then
+    logprobs: list[TokenLogprobs] | None = None
+    generator: torch.Generator | None = None
+
+    # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
+    # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.
+    num_draft_computed_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_accepted: float = 0.0
+    spec_rejected: float = 0.0
+
+    # Timestamps (time.monotonic) for metrics.
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first num_output_tokens (a finished request whose stop string
+        ended inside a run of several tokens accepted in one step)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        del self.token_times[num_output_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_output_tokens:]

@@ -1,0 +1,237 @@
+"""Continuous batching: decide, each step, which requests compute how many tokens.
+
+One token budget per step (max_num_batched_tokens) and a cap on running sequences (max_num_seqs).
+Running requests go first, in admission order (their decodes, or the rest of a chunked prefill);
+then waiting requests are admitted in arrival order, their prompts chunked to fit the budget. When
+the pool runs out of blocks, the most recently admitted running request is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed (prefix caching usually
+gives most of it back). The oldest running request can always grow, so the loop never deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvscale.worker.core.kv_cache_manager import KVCacheManager
+from kvscale.worker.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass
+class SchedulerOutput:
+    # Aligned lists: request i computes num_scheduled_tokens[i] tokens starting at its num_computed_tokens.
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding, filled after scheduling: tokens proposed per request (included in
+    # num_scheduled_tokens) and, for drafts sampled from a distribution, that distribution [n, V].
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    spec_draft_probs: list[object | None] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def check_admissible(self, request: Request) -> None:
+        """Raise ValueError when the request could never run: too long for the model or the pool."""
+        n, limit = request.num_prompt_tokens, self.config.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n > limit:
+            raise ValueError(f"the prompt has {n} tokens, more than the maximum model length of {limit}")
+        # Worst case the request grows to min(prompt + max_tokens, max_model_len) tokens.
+        need = self.kv.blocks_needed(min(n + request.max_tokens, limit))
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"the request needs up to {need} KV blocks ({n} prompt tokens + {request.max_tokens} max "
+                f"tokens) but the whole KV cache has {self.kv.num_blocks}; lower max_tokens or give the "
+                "cache more memory"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                self._schedule(out, request, num_new)
+                budget -= num_new
+                i += 1
+
+        # Admit new work only if nothing was just preempted: a full pool would evict it again.
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks):
+                break  # strict arrival order: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            self._schedule(out, request, num_new)
+            budget -= num_new
+        return out
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(num_new)
+        out.block_ids.append(self.kv.get_block_ids(request.request_id))
+        out.spec_token_ids.append([])
+        out.spec_draft_probs.append(None)
+
+    def reserve_lookahead(self, request: Request, num_lookahead: int) -> int:
+        """Slots for up to num_lookahead proposed tokens after the request's next token; returns how
+        many fit. Speculation only takes free blocks: it never preempts anyone."""
+        for k in range(num_lookahead, 0, -1):
+            if self.kv.allocate_slots(request, 1 + k):
+                return k
+        return 0
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[list[int]], now: float | None = None
+    ) -> list[Request]:
+        """Advance each scheduled request by its computed tokens, append what was sampled, and
+        finish those that hit EOS, a stop token, max_tokens or the model length. Returns the
+        requests that received tokens (finished ones included)."""
+        now = time.monotonic() if now is None else now
+        updated = []
+        for request, num_tokens, new_ids, drafts in zip(
+            out.requests, out.num_scheduled_tokens, sampled_token_ids, out.spec_token_ids, strict=True
+        ):
+            if request.is_finished:  # aborted between schedule and update
+                continue
+            # Proposed tokens after the first rejection were computed but are not the sequence's:
+            # their slots are overwritten by the next step's tokens.
+            num_rejected = len(drafts) - (len(new_ids) - 1) if drafts else 0
+            request.num_computed_tokens += num_tokens - num_rejected
+            if not new_ids:
+                continue  # a prefill chunk that does not reach the end of the prompt
+            for token_id in new_ids:
+                request.append_output_token(token_id, now)
+                status = self.check_stop(request, token_id)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            if not request.is_finished:
+                # Slots reserved for proposed tokens that were rejected (or never proposed) go back.
+                self.kv.free_excess_blocks(request)
+            updated.append(request)
+        return updated
+
+    def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def stats(self) -> SchedulerStats:
+        pc = self.kv.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+        )

@@ -1,0 +1,1 @@
+"""The step loop (LLMEngine), its async front (AsyncLLM), detokenization, outputs and stats."""

@@ -1,0 +1,325 @@
+"""LLMEngine: the step loop. schedule -> one forward -> sample -> update requests -> free blocks.
+
+Synchronous and network-free: the offline API drives it directly and the server runs it from
+its own loop. A request with n > 1 fans out into n sequences that share the prompt (and, through
+the prefix cache, its KV blocks); their outputs are gathered under the parent's id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from kvscale.worker.config import EngineArgs
+from kvscale.worker.core.kv_cache_manager import KVCacheManager
+from kvscale.worker.core.request import Request, RequestStatus
+from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
+from kvscale.worker.engine.outputs import RequestOutput, completion_output
+from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
+from kvscale.worker.model.loader import load_tokenizer
+from kvscale.worker.model.model_runner import ModelRunner
+from kvscale.worker.sample.sampling_params import SamplingParams
+from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
+from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
+from kvscale.worker.spec_decode.ngram_proposer import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several), the config and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        gen = None
+    for value in (gen, getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
+
+
+def _finished_stats(request: Request) -> FinishedRequestStats:
+    end = request.finished_time or time.monotonic()
+    return FinishedRequestStats(
+        finish_reason=request.status.finish_reason or "abort",
+        e2e_latency=end - request.arrival_time,
+        queue_time=None
+        if request.first_scheduled_time is None
+        else request.first_scheduled_time - request.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_generation_tokens=request.num_output_tokens,
+    )
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    num_fed: list[int] = field(default_factory=list)  # tokens already given to each detokenizer
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        if not args.model:
+            raise ValueError("no model given: pass the path of a Hugging Face model folder")
+        self.args = args
+        load_draft = None
+        if args.speculative_method == "draft":
+
+            def load_draft(device, dtype, max_model_len, vocab_size):
+                return DraftModelProposer(args, device, dtype, max_model_len, vocab_size)
+
+        self.runner = ModelRunner(args, load_draft)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.spec.vocab_size
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
+            self.kv_cache_manager,
+        )
+        self.spec_decoder = self._make_spec_decoder(args) if args.speculative_method else None
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._ids = count()
+        self._stats = IterationStats()
+        self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
+
+    def _make_spec_decoder(self, args: EngineArgs) -> SpeculativeDecoder:
+        runner = self.runner
+        proposer = runner.draft or NgramProposer(args.ngram_prompt_lookup_max, args.ngram_prompt_lookup_min)
+        decoder = SpeculativeDecoder(args, self.scheduler, proposer, self.max_model_len)
+        if args.speculative_adaptive:
+            with torch.inference_mode():
+                decoder.costs = profile_step_costs(
+                    runner.forward,
+                    proposer,
+                    runner.device,
+                    args.num_lookahead_tokens,
+                    args.max_num_seqs,
+                    args.max_num_batched_tokens,
+                    self.max_model_len,
+                    runner.num_blocks,
+                    args.block_size,
+                )
+        return decoder
+
+    # -- requests in and out -----------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        return None, ids
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> ParentRequest:
+        """Tokenize and validate a request without queueing it (raises ValueError when it can never
+        run). Touches no scheduler state, so the server calls it from its own thread."""
+        params = params or SamplingParams()
+        if request_id is None:  # skip ids the caller chose for earlier requests
+            request_id = str(next(self._ids))
+            while request_id in self._parents or request_id in self.scheduler.requests:
+                request_id = str(next(self._ids))
+        text, prompt_ids = self.tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        # Without max_tokens a request may run to the model length, or to what the whole pool holds
+        # when that is less (so it is not refused for a worst case nobody asked for).
+        room = min(self.max_model_len, self.kv_cache_manager.num_blocks * self.args.block_size) - len(
+            prompt_ids
+        )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max(1, max_tokens),
+                arrival_time=arrival,
+                prompt=text,
+            )
+            if params.seed is not None and not params.is_greedy:
+                # Own generator per sequence: a seeded request reproduces whatever shares its batch.
+                child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            children.append(child)
+        self.scheduler.check_admissible(children[0])
+        detokenizers = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            for _ in children
+        ]
+        return ParentRequest(request_id, text, children, detokenizers, [0] * len(children))
+
+    def add_prepared(self, parent: ParentRequest) -> str:
+        """Queue a request made by make_request."""
+        if parent.request_id in self._parents:
+            raise ValueError(f"request id {parent.request_id!r} is already in use")
+        # Check every child id before queueing any: a half-added request would have no parent.
+        taken = [c.request_id for c in parent.children if c.request_id in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        for child in parent.children:
+            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = parent.request_id
+        self._parents[parent.request_id] = parent
+        return parent.request_id
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (nothing queued) when it can never run."""
+        return self.add_prepared(self.make_request(prompt, params, request_id, arrival_time))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Finish requests now and free their KV blocks; unknown or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            aborted = self.scheduler.finish_requests(
+                [c.request_id for c in parent.children], RequestStatus.FINISHED_ABORTED
+            )
+            for child in aborted:
+                self._stats.finished.append(_finished_stats(child))
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty():
+            return []
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(scheduled)
+        result = self.runner.execute_model(scheduled)
+        if self.spec_decoder is not None:
+            self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
+        updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
+        self._record_logprobs(scheduled, result.logprobs)
+        touched: dict[str, ParentRequest] = {}
+        for request in updated:
+            parent = self._parents[self._child_to_parent[request.request_id]]
+            self._detokenize(parent, request)
+            touched[parent.request_id] = parent
+        return [self._make_output(p) for p in touched.values()]
+
+    def take_stats(self) -> IterationStats:
+        """What happened since the last call (steps and aborts), for the metrics."""
+        stats, self._stats = self._stats, IterationStats()
+        sched, pc = self.scheduler, self.kv_cache_manager.prefix_cache_stats
+        stats.num_preemptions = sched.num_preemptions - self._seen_preemptions
+        stats.prefix_cache_queries = pc.queries - self._seen_prefix[0]
+        stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
+        self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
+        return stats
+
+    def _record_logprobs(self, scheduled: SchedulerOutput, logprobs: list) -> None:
+        for request, lps in zip(scheduled.requests, logprobs, strict=True):
+            if lps and request.logprobs is not None:
+                request.logprobs.extend(lps)
+
+    def _detokenize(self, parent: ParentRequest, request: Request) -> None:
+        i = parent.children.index(request)
+        detok = parent.detokenizers[i]
+        seen = parent.num_fed[i]
+        new_ids = request.output_token_ids[seen:]
+        if request.status == RequestStatus.FINISHED_STOPPED:
+            new_ids = new_ids[:-1]  # the EOS / stop token ends the text; it is not part of it
+        if len(new_ids) > 1 and detok.stop:
+            # Several tokens in one step (an accepted speculative run): feed them one by one, and
+            # if a stop string ends early in the run, the tokens after it were never generated.
+            stop = None
+            for j, token_id in enumerate(new_ids):
+                stop = detok.update([token_id])
+                if stop is not None:
+                    request.truncate_output(seen + j + 1)
+                    break
+        else:
+            stop = detok.update(new_ids)
+        parent.num_fed[i] = request.num_output_tokens
+        self._record_token_stats(request, seen)
+        if stop is None and request.is_finished:
+            # Release text held back for a character still incomplete; it may complete a stop string.
+            stop = detok.flush()
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop
+        elif stop is not None:
+            # EOS/length arrived together with the stop string, which cut the text: report it as the
+            # reason (as vLLM does), not "length" with a truncated text.
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop
+        if request.is_finished:
+            self._stats.finished.append(_finished_stats(request))
+
+    def _record_token_stats(self, request: Request, seen: int) -> None:
+        stats, times = self._stats, request.token_times
+        stats.num_generation_tokens += len(times) - seen
+        if seen == 0:
+            stats.num_prompt_tokens += request.num_prompt_tokens
+            stats.time_to_first_tokens.append(times[0] - request.arrival_time)
+        stats.inter_token_latencies.extend(times[j] - times[j - 1] for j in range(max(seen, 1), len(times)))
+
+    def _make_output(self, parent: ParentRequest) -> RequestOutput:
+        # Text is what is safe to stream: a tail that may still become a stop string is held back
+        # until it is known not to be one, so streamed text never has to be taken back.
+        outputs = [
+            completion_output(i, child, detok.get_next_output_text(finished=child.is_finished, delta=False))
+            for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))
+        ]
+        finished = all(c.is_finished for c in parent.children)
+        if finished:
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                self._child_to_parent.pop(child.request_id, None)
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )

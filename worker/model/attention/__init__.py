@@ -1,0 +1,1 @@
+"""Attention backends behind one interface: plain torch (CPU, reference) and Triton (GPU)."""

@@ -1,0 +1,109 @@
+"""Flatten the sequences of one forward pass into model inputs: token ids, positions, KV slots and
+the attention metadata, and run it. Shared by the target's model runner and the draft model.
+
+Rows are ordered [single-token sequences sorted by context length..., multi-token chunks...]: the
+attention backends batch decodes by length bucket and walk longer chunks one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvscale.worker.model.attention.backend import CommonAttentionMetadata
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a forward: tokens at positions start, start + 1, ... whose K/V go
+    into the sequence's blocks (which must already cover them)."""
+
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class ForwardBatch:
+    order: list[int]  # row -> index of its chunk in the caller's list
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    common: CommonAttentionMetadata
+    query_start_loc: np.ndarray  # [rows + 1]: row r owns flat tokens [loc[r], loc[r + 1])
+
+    def last_token_rows(self, num_last: list[int]) -> torch.Tensor:
+        """Flat indices of the last num_last[i] tokens of chunk i, chunk by chunk in the caller's
+        order (the rows whose logits a sampler or verifier needs)."""
+        row_of = np.empty(len(self.order), dtype=np.int64)
+        row_of[self.order] = np.arange(len(self.order))
+        ends = self.query_start_loc[1:][row_of]
+        index = [e - n + j for e, n in zip(ends.tolist(), num_last, strict=True) for j in range(n)]
+        return torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+
+
+def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
+    decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+    decodes.sort(key=lambda i: chunks[i].start)
+    taken = set(decodes)
+    order = decodes + [i for i in range(len(chunks)) if i not in taken]
+
+    num_seqs = len(order)
+    max_blocks = max(len(chunks[i].block_ids) for i in order)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    seq_lens = np.zeros(num_seqs, dtype=np.int64)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for row, i in enumerate(order):
+        chunk = chunks[i]
+        n, start, block_ids = len(chunk.token_ids), chunk.start, chunk.block_ids
+        block_tables[row, : len(block_ids)] = block_ids
+        query_start_loc[row + 1] = query_start_loc[row] + n
+        seq_lens[row] = start + n
+        input_ids.extend(chunk.token_ids)
+        if n == 1:
+            positions.append(start)
+            slots.append(block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            pos = np.arange(start, start + n)
+            positions.extend(pos.tolist())
+            slots.extend((np.asarray(block_ids)[pos // block_size] * block_size + pos % block_size).tolist())
+
+    common = CommonAttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        num_decodes=len(decodes),
+        block_size=block_size,
+    )
+    return ForwardBatch(
+        order=order,
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        common=common,
+        query_start_loc=query_start_loc,
+    )
+
+
+def forward_logits(
+    model,
+    backend,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks: list[SeqChunk],
+    num_logits: list[int],
+    block_size: int,
+    device: torch.device,
+    graphs=None,
+) -> torch.Tensor:
+    """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
+    chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them."""
+    batch = build_forward_batch(chunks, block_size, device)
+    if graphs is not None and graphs.can_run(batch.common):
+        hidden = graphs.run(batch.input_ids, batch.positions, batch.common)
+    else:
+        hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))
+    return model.compute_logits(hidden[batch.last_token_rows(num_logits)])

@@ -1,0 +1,216 @@
+"""Our Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 share one implementation.
+
+RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, over a flat batch of tokens (no padding):
+every token carries its position and the cache slot its K/V goes to. Q/K/V and gate/up
+projections are fused into one matmul each; the loader stacks the checkpoint's separate weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm
+from kvscale.worker.model.attention.backend import AttentionBackend
+from kvscale.worker.model.layers.linear import Linear
+from kvscale.worker.model.layers.rope import head_dim_of, rope_cos_sin
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What differs between the supported families, read off a Hugging Face config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_hf_config(cls, config) -> DecoderSpec:
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; kvscale runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; the SwiGLU MLP needs silu")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias, o_bias = {
+            "Qwen2ForCausalLM": (True, False),
+            "MistralForCausalLM": (False, False),
+        }.get(arch, (attention_bias, attention_bias))
+        n = config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is not None:
+            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        else:
+            windows = (window,) * n
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=n,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim_of(config),
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=windows,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = spec.sliding_windows[layer_idx]
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_embedding(ctx.positions, q, k, ctx.cos, ctx.sin)
+        out = ctx.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], ctx.attn_metadata, self.scale, self.sliding_window
+        )
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, hidden, residual, ctx, kv_cache):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, ctx, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+@dataclass
+class ForwardContext:
+    """Per-step inputs shared by all layers."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    backend: AttentionBackend
+    attn_metadata: object
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names -> (our fused parameter, shard index); the loader stacks shards in this order.
+    stacked_params: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config, max_position: int) -> None:
+        super().__init__()
+        self.spec = spec = DecoderSpec.from_hf_config(hf_config)
+        self.hf_config = hf_config
+        self.max_position = max_position
+        self.model = DecoderModel(spec)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def init_rope(self, device: torch.device) -> None:
+        self.rope_cos, self.rope_sin = rope_cos_sin(self.hf_config, self.max_position, device)
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        attn_metadata: object,
+    ) -> torch.Tensor:
+        ctx = ForwardContext(positions, self.rope_cos, self.rope_sin, backend, attn_metadata)
+        hidden, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, ctx, kv_cache)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

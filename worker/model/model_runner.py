@@ -1,0 +1,192 @@
+"""Owns the model and the KV tensors; turns one SchedulerOutput into one forward pass and samples.
+
+Every scheduled request is one chunk of the flat batch (forward_batch.py): a decode's new token, a
+prefill chunk, or a decode's token followed by its proposed tokens, verified in the same forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvscale.worker.config import EngineArgs
+from kvscale.worker.core.request import TokenLogprobs
+from kvscale.worker.core.scheduler import SchedulerOutput
+from kvscale.worker.model.attention.backend import CommonAttentionMetadata
+from kvscale.worker.model.attention.selector import get_attention_backend
+from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
+from kvscale.worker.model.forward_batch import SeqChunk, forward_logits
+from kvscale.worker.model.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    free_memory_bytes,
+    num_blocks_for,
+)
+from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
+from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
+from kvscale.worker.sample.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
+        return limit
+    return requested
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Aligned with SchedulerOutput.requests; empty for prefill chunks that do not end the prompt.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None]
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, load_draft=None) -> None:
+        """load_draft(device, dtype, max_model_len, vocab_size), when given, loads a draft model whose
+        KV blocks mirror the target's; it is loaded before the KV cache is sized, which counts its
+        bytes per block too."""
+        self.device = resolve_device(args.device)
+        self.hf_config = load_config(args.model)
+        self.dtype = resolve_dtype(args.dtype, self.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
+        self.block_size = args.block_size
+        torch.manual_seed(args.seed)
+        self.model = load_model(args.model, self.hf_config, self.max_model_len, self.device, self.dtype)
+        self.spec = self.model.spec
+        self.backend = get_attention_backend(args.attention_backend, self.device)
+        self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.draft = (
+            load_draft(self.device, self.dtype, self.max_model_len, self.spec.vocab_size)
+            if load_draft
+            else None
+        )
+        self.num_blocks = self._size_kv_cache(args)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_blocks)
+        # Decode-only steps replay captured CUDA graphs (CUDA + Triton backend only; None elsewhere).
+        self.cuda_graphs = CUDAGraphRunner.maybe_create(self, args.max_num_seqs)
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def _size_kv_cache(self, args: EngineArgs) -> int:
+        spec = self.spec
+        block_bytes = bytes_per_block(
+            spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
+        ) + (self.draft.block_bytes() if self.draft is not None else 0)
+        reserve = self._profile_activation_bytes(args) if self.device.type == "cuda" else 0
+        num_blocks = num_blocks_for(
+            block_bytes=block_bytes,
+            device_type=self.device.type,
+            free_bytes=free_memory_bytes(self.device),
+            activation_reserve=reserve,
+            max_useful_blocks=args.max_num_seqs * -(-self.max_model_len // self.block_size),
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
+            num_blocks, self.block_size, num_blocks * block_bytes / 2**20, num_blocks * self.block_size,
+        )  # fmt: skip
+        return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+
+    def _profile_activation_bytes(self, args: EngineArgs) -> int:
+        """Peak memory of the largest step (one full-budget prefill), measured with a scratch cache."""
+        n = min(args.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        self.kv_caches = self._allocate_kv_cache(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        common = CommonAttentionMetadata(
+            slot_mapping=positions,
+            query_start_loc=torch.tensor([0, n]),
+            seq_lens=torch.tensor([n]),
+            block_tables=torch.arange(blocks, device=self.device)[None, :],
+            num_decodes=0,
+            block_size=self.block_size,
+        )
+        with torch.inference_mode():
+            hidden = self.model(tokens, positions, self.kv_caches, self.backend, self.backend.prepare(common))
+            self.model.compute_logits(hidden[-min(n, args.max_num_seqs) :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)
+
+    # -- one step ----------------------------------------------------------------------------
+    def forward(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor:
+        """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk."""
+        return forward_logits(
+            self.model, self.backend, self.kv_caches, chunks, num_logits, self.block_size, self.device,
+            self.cuda_graphs,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        chunks, num_logits = [], []
+        plain: list[int] = []  # requests that sample one token
+        spec: list[int] = []  # requests whose proposals are verified
+        for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
+            drafts = out.spec_token_ids[i]
+            start = request.num_computed_tokens
+            end = start + n - len(drafts)  # known tokens end here; proposals follow
+            chunks.append(SeqChunk(request.all_token_ids[start:end] + drafts, start, out.block_ids[i]))
+            if drafts:
+                spec.append(i)
+                num_logits.append(1 + len(drafts))
+            elif end == request.num_tokens:
+                plain.append(i)
+                num_logits.append(1)
+            else:
+                num_logits.append(0)  # a prefill chunk that does not reach the end of the prompt
+        logits = self.forward(chunks, num_logits)
+
+        sampled: list[list[int]] = [[] for _ in out.requests]
+        logprobs: list[list[TokenLogprobs] | None] = [None for _ in out.requests]
+        # Logit rows come chunk after chunk; split them between the two samplers.
+        offsets = np.concatenate([[0], np.cumsum(num_logits)])
+        if plain:
+            rows = torch.from_numpy(offsets[plain]).to(self.device)
+            requests = [out.requests[i] for i in plain]
+            result = self.sampler(
+                logits[rows], SamplingMetadata.from_requests(requests, self.spec.vocab_size, self.device)
+            )
+            for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
+                sampled[i] = [token_id]
+                if result.logprobs is not None and result.logprobs[k] is not None:
+                    logprobs[i] = [result.logprobs[k]]
+        if spec:
+            rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec]))
+            verify_rows = [
+                SpecDecodeRow(out.requests[i], out.spec_token_ids[i], out.spec_draft_probs[i]) for i in spec
+            ]
+            verified = self.rejection_sampler(logits[rows.to(self.device)], verify_rows, self.spec.vocab_size)
+            for k, i in enumerate(spec):
+                sampled[i] = verified.token_ids[k]
+                logprobs[i] = verified.logprobs[k]
+        return ModelRunnerOutput(sampled, logprobs)

@@ -1,0 +1,1 @@
+"""Sampling parameters, the vectorised sampler and the speculative rejection sampler."""

@@ -1,0 +1,297 @@
+"""Turn one step's logits (one row per request) into next tokens, vectorised over the batch.
+
+Order of operations, per row: raw logprobs (of the unprocessed logits) -> min_tokens mask -> penalties ->
+greedy argmax, or temperature -> top-k/top-p -> min-p -> sample. Sampling uses the exponential race
+(argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets a seeded row draw its
+noise from its own generator, so its tokens do not depend on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvscale.worker.core.request import Request, TokenLogprobs
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32; 0.0 marks a greedy row
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [B] int64; 0 (or >= vocab) disables; None when no row uses it
+    top_p: torch.Tensor | None  # [B] float32; 1.0 disables; None when no row uses it
+    min_p: torch.Tensor | None  # [B] float32; 0.0 disables; None when no row uses it
+    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded, non-greedy rows)
+    no_penalties: bool
+    presence_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
+    frequency_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
+    repetition_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
+    prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
+    output_token_ids: list[list[int]]  # tokens generated so far, per row
+    min_tokens: dict[int, set[int]]  # row -> token ids forbidden until the row reaches min_tokens
+    max_num_logprobs: int | None  # largest `logprobs` any row asked for; None: nobody wants logprobs
+    # Per row `logprobs` (None: that row did not ask). None here: every row reports max_num_logprobs.
+    num_logprobs: list[int | None] | None = field(default=None)
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: list[Request],
+        vocab_size: int,
+        device: torch.device,
+        output_token_ids: list[list[int]] | None = None,
+    ) -> SamplingMetadata:
+        """One row per entry of `requests` (a request may fill several rows: speculative verification
+        scores each proposed position, and `output_token_ids` then gives each row the output it
+        would follow, so penalties and min_tokens see the proposed tokens before it)."""
+        outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
+        temperature: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        presence: list[float] = []
+        frequency: list[float] = []
+        repetition: list[float] = []
+        generators: dict[int, torch.Generator] = {}
+        min_tokens: dict[int, set[int]] = {}
+        num_logprobs: list[int | None] = []
+        for i, req in enumerate(requests):
+            params = req.sampling_params
+            greedy = params.is_greedy
+            temperature.append(0.0 if greedy else params.temperature)
+            # Filters cannot change an argmax, so greedy rows keep them off and an all-greedy batch
+            # builds no filter tensors at all.
+            top_k.append(0 if greedy or params.top_k <= 0 or params.top_k >= vocab_size else params.top_k)
+            top_p.append(1.0 if greedy else params.top_p)
+            min_p.append(0.0 if greedy else params.min_p)
+            presence.append(params.presence_penalty)
+            frequency.append(params.frequency_penalty)
+            repetition.append(params.repetition_penalty)
+            if not greedy and req.generator is not None:
+                generators[i] = req.generator
+            if len(outputs[i]) < params.min_tokens:
+                banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
+                if banned:
+                    min_tokens[i] = banned
+            num_logprobs.append(params.logprobs)
+
+        def as_tensor(values: list[float], off: float) -> torch.Tensor | None:
+            if all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        prompt_token_ids = None
+        if any(r != 1.0 for r in repetition):
+            # Rows without a repetition penalty contribute no prompt: their penalty is the identity.
+            prompts = [
+                req.prompt_token_ids if r != 1.0 else [] for req, r in zip(requests, repetition, strict=True)
+            ]
+            prompt_token_ids = _pad(prompts, vocab_size, device)
+        presence_t = as_tensor(presence, 0.0)
+        frequency_t = as_tensor(frequency, 0.0)
+        repetition_t = as_tensor(repetition, 1.0)
+        asked = [n for n in num_logprobs if n is not None]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            all_greedy=all(t == 0.0 for t in temperature),
+            all_random=all(t != 0.0 for t in temperature),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if any(top_k) else None,
+            top_p=as_tensor(top_p, 1.0),
+            min_p=as_tensor(min_p, 0.0),
+            generators=generators,
+            no_penalties=presence_t is None and frequency_t is None and repetition_t is None,
+            presence_penalties=presence_t,
+            frequency_penalties=frequency_t,
+            repetition_penalties=repetition_t,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=outputs,
+            min_tokens=min_tokens,
+            max_num_logprobs=max(asked) if asked else None,
+            num_logprobs=num_logprobs,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: list[TokenLogprobs | None] | None  # per row when anyone asked; None for rows that did not
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[B, longest] int64, padded with `pad` (vocab_size: an id that scatters into a dropped column)."""
+    width = max((len(r) for r in rows), default=0)
+    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).reshape(len(rows), width).to(device)
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:
+    """Forbid (-inf) the stop/eos ids of rows that have not yet produced their min_tokens."""
+    if not min_tokens:
+        return logits
+    rows = [row for row, ids in min_tokens.items() for _ in ids]
+    cols = [t for ids in min_tokens.values() for t in ids]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(index, torch.tensor(_NEG_INF, device=logits.device, dtype=logits.dtype))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
+) -> torch.Tensor:
+    """vLLM/OpenAI penalties. Repetition acts on prompt + output tokens (positive logits divided, others
+    multiplied, so it always makes a seen token less likely); frequency subtracts penalty * count and
+    presence subtracts penalty once, both over output tokens only."""
+    if presence_penalties is None and frequency_penalties is None and repetition_penalties is None:
+        return logits
+    batch, vocab = logits.shape
+    # One spare column catches the padding id (vocab), then is dropped.
+    out_ids = _pad(output_token_ids, vocab, logits.device)
+    counts = torch.zeros(batch, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    if repetition_penalties is not None:
+        seen = counts > 0
+        if prompt_token_ids is not None:
+            in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
+            in_prompt.scatter_(1, prompt_token_ids, True)
+            seen |= in_prompt[:, :vocab]
+        rep = repetition_penalties.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if frequency_penalties is not None:
+        logits = logits - frequency_penalties.unsqueeze(1) * counts
+    if presence_penalties is not None:
+        logits = logits - presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to -inf what top-k and top-p drop; one ascending sort serves both.
+
+    top_k <= 0 or >= vocab, and top_p == 1, leave a row alone. Top-p keeps the smallest set of most likely
+    tokens (after top-k) whose mass reaches p, and never less than the single most likely token.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+        kth_largest = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, _NEG_INF)
+    if top_p is not None:
+        # Ascending order: a token is dropped when it and everything less likely together hold at most
+        # 1 - p, i.e. when the more likely tokens alone already reach p.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        # Rows with p == 1 are left exactly alone (float error could otherwise drop 0-probability tails).
+        drop &= (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Drop (-inf) tokens whose probability is below min_p times the row's largest probability."""
+    if min_p is None:
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: argmax(p / q), q ~ Exp(1) i.i.d., picks token i with probability p_i."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        if gen.device == q.device:
+            q[row].exponential_(generator=gen)
+        else:  # A generator on another device still gives its own stream; copy its draw over.
+            q[row] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen).to(q.device)
+    # Exp(1) can return exactly 0; 0/0 would be NaN and could win argmax for a masked token.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)
+
+
+@dataclass
+class TargetDistribution:
+    """Per row, what the request's sampling parameters make of the logits."""
+
+    greedy_token_ids: torch.Tensor | None  # [B] argmax after min_tokens and penalties; None: no greedy row
+    probs: torch.Tensor | None  # [B, V] after temperature, top-k/top-p, min-p; None: every row is greedy
+
+
+def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> TargetDistribution:
+    """Logits (float32) -> the distribution each row samples from. Out-of-place: the caller's logits
+    are never modified. Greedy rows also get a (temperature 1) row in `probs` when the batch is mixed;
+    it is never used."""
+    logits = apply_min_tokens(logits, metadata.min_tokens)
+    if not metadata.no_penalties:
+        logits = apply_penalties(
+            logits,
+            metadata.prompt_token_ids,
+            metadata.output_token_ids,
+            metadata.presence_penalties,
+            metadata.frequency_penalties,
+            metadata.repetition_penalties,
+        )
+    if metadata.all_greedy:
+        return TargetDistribution(logits.argmax(dim=-1), None)
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    temperature = metadata.temperature
+    if greedy is not None:
+        # Dividing greedy rows by 1 keeps their values finite.
+        temperature = torch.where(temperature == 0.0, 1.0, temperature)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    logits = apply_min_p(logits, metadata.min_p)
+    return TargetDistribution(greedy, logits.softmax(dim=-1))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        dist = target_distribution(logits, metadata)
+        if dist.probs is None:
+            sampled = dist.greedy_token_ids
+        else:
+            sampled = random_sample(dist.probs, metadata.generators)
+            if dist.greedy_token_ids is not None:
+                sampled = torch.where(metadata.temperature == 0.0, dist.greedy_token_ids, sampled)
+        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, metadata)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata
+) -> list[TokenLogprobs | None]:
+    assert metadata.max_num_logprobs is not None
+    batch, vocab = raw_logprobs.shape
+    k = min(metadata.max_num_logprobs, vocab)
+    top_values, top_ids = raw_logprobs.topk(k, dim=-1)  # sorted, most likely first
+    token_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
+    rank = (raw_logprobs > token_logprob).sum(dim=-1) + 1
+    # Copy the small results to the host before the per-row Python loop (not the [B, V] tensor).
+    top_values_l, top_ids_l = top_values.tolist(), top_ids.tolist()
+    token_logprob_l, rank_l, sampled_l = token_logprob.squeeze(1).tolist(), rank.tolist(), sampled.tolist()
+    wanted = metadata.num_logprobs or [metadata.max_num_logprobs] * batch
+    result: list[TokenLogprobs | None] = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            result.append(None)
+            continue
+        top = list(zip(top_ids_l[row][:n], top_values_l[row][:n], strict=True))
+        result.append(TokenLogprobs(sampled_l[row], token_logprob_l[row], rank_l[row], top))
+    return result

@@ -1,0 +1,207 @@
+"""The worker's HTTP server (aiohttp): OpenAI endpoints, probes, metrics, and the pod lifecycle.
+
+Life of a worker process:
+  start listening at once (liveness answers, readiness says 503 "loading") -> load the model in a
+  thread -> ready -> on SIGTERM: drain (readiness 503, new requests 503, in-flight requests run
+  to completion for up to --drain-timeout) -> exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvscale.worker.config import EngineArgs
+from kvscale.worker.engine.async_llm import AsyncLLM
+from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
+from kvscale.worker.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    drain_timeout: float = 30.0
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    serving: OpenAIServing
+    config: ServerConfig
+    model_name: str
+    draining: bool = False
+    load_error: BaseException | None = None
+    in_flight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    started: float = field(default_factory=time.time)
+
+
+def _error(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def _unavailable(state: ServerState) -> APIError | None:
+    if state.draining:
+        return APIError(503, "the server is shutting down", type="server_error", code="draining")
+    if state.llm.dead is not None:
+        return APIError(503, "the engine has failed", type="server_error", code="engine_dead")
+    if not state.llm.is_ready:
+        return APIError(
+            503,
+            "the model is still loading",
+            type="server_error",
+            code="loading",
+            headers={"Retry-After": "5"},
+        )
+    return None
+
+
+@web.middleware
+async def api_middleware(request: web.Request, handler):
+    """Auth, admission (loading / draining) and the OpenAI error shape for everything under /v1."""
+    state: ServerState = request.app["state"]
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    key = state.config.api_key
+    if key is not None and request.headers.get("Authorization", "") != f"Bearer {key}":
+        return _error(APIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
+    if request.method == "POST":
+        unavailable = _unavailable(state)
+        if unavailable is not None:
+            state.llm.metrics.rejected.inc(reason=unavailable.code or "unavailable")
+            return _error(unavailable)
+    state.in_flight += 1
+    state.idle.clear()
+    try:
+        return await handler(request)
+    except APIError as e:
+        if e.status == 400:
+            state.llm.metrics.rejected.inc(reason="invalid")
+        return _error(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own errors (unknown route, wrong method, body too large) in the OpenAI shape too
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return _error(APIError(e.status, f"{e.reason}: {request.method} {request.path}", headers=allow))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client left; its engine request is already aborted
+    except Exception:
+        logger.exception("unexpected error", extra={"path": request.path})
+        return _error(APIError(500, "internal server error", type="server_error", code="internal_error"))
+    finally:
+        state.in_flight -= 1
+        if state.in_flight == 0:
+            state.idle.set()
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP and its engine loop has not died."""
+    state: ServerState = request.app["state"]
+    if state.llm.dead is not None or state.load_error is not None:
+        return web.json_response({"status": "dead"}, status=500)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: the model is loaded and the server is not draining."""
+    state: ServerState = request.app["state"]
+    unavailable = _unavailable(state)
+    if unavailable is not None:
+        return web.json_response({"status": unavailable.code}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    return web.Response(body=state.llm.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def models(request: web.Request) -> web.Response:
+    state: ServerState = request.app["state"]
+    engine = state.llm.engine
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "kvscale",
+        "root": state.serving.config.model_path,
+        "max_model_len": engine.max_model_len if engine is not None else None,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> web.Application:
+    model_name = config.served_model_name or engine_args.model
+    serving = OpenAIServing(llm, ServingConfig(model_name, engine_args.model, config.max_queued_requests))
+    state = ServerState(llm, serving, config, model_name)
+    state.idle.set()
+    app = web.Application(middlewares=[api_middleware], client_max_size=16 * 2**20)
+    app["state"] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat)
+    return app
+
+
+async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain and return the exit code."""
+    model_name = config.served_model_name or engine_args.model
+    llm = AsyncLLM(engine_args, model_name)
+    app = build_app(llm, engine_args, config)
+    state: ServerState = app["state"]
+    # auto_decompress=False: aiohttp 3.14 can hang on a deflate body that breaks at its end; a
+    # compressed body is then simply not JSON (a clear 400). Clients send plain JSON anyway.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, auto_decompress=False
+    )
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    logger.info("listening", extra={"host": config.host, "port": config.port, "model": model_name})
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    load = asyncio.create_task(llm.start())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        state.load_error = load.exception()
+        logger.error("model load failed", exc_info=state.load_error)
+        await runner.cleanup()
+        return 1
+    if load.done():
+        logger.info("ready", extra={"model": model_name, "kv_blocks": llm.engine.kv_cache_manager.num_blocks})
+        await stopper
+
+    state.draining = True
+    logger.info("draining", extra={"in_flight": state.in_flight, "timeout_s": config.drain_timeout})
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout=config.drain_timeout)
+        logger.info("drained")
+    except TimeoutError:
+        logger.warning(
+            "drain timeout: aborting the requests still running", extra={"in_flight": state.in_flight}
+        )
+    await runner.cleanup()  # closes connections; cancelled handlers abort their engine requests
+    if not load.done():
+        load.cancel()
+    await llm.shutdown()
+    return 0
