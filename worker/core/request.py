@@ -102,10 +102,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int, now: float) -> None:
+    def append_output_token(self, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
+        """Append one generated token with its logprobs (when the request asked for them): both are
+        appended together, so a run cut short by a stop keeps exactly one entry per token."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.token_times.append(now)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first num_output_tokens (a finished request whose stop string
