@@ -60,8 +60,9 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V sit in the cache. The newest sampled token is never computed yet.
     num_computed_tokens: int = 0
-    # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.
-    block_hashes: list[int] = field(default_factory=list)
+    # Chained SHA-256 hashes of the full blocks of all_token_ids (block_pool.hash_block_tokens),
+    # extended lazily by the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until then
@@ -85,6 +86,11 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Seeds the request's block-hash chain: only requests with the same salt share KV blocks."""
+        return self.sampling_params.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,10 @@ class SamplingParams:
     # Number of most likely alternatives to report per generated token (None: no logprobs).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's `cache_salt`): mixed into the hash of the first KV block, so
+    # only requests carrying the same salt can share cached KV. Not a sampling parameter, but it
+    # travels with one request like them. None: the shared, unsalted cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +95,10 @@ class SamplingParams:
             (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be token ids",
+            ),
+            (
+                self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+                "cache_salt must be a non-empty string if given",
             ),
         ]
         for ok, message in checks:
