@@ -98,3 +98,74 @@ def test_one_logprob_per_token_when_a_stop_string_ends_an_accepted_run(method, r
         assert c.finish_reason == "stop"
         assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
         assert [lp.token_id for lp in c.logprobs] == c.token_ids == reference[: len(c.token_ids)]
+
+
+# -- formatting: chat `bytes`, completion `top_logprobs` ------------------------------------------
+TEXT = "héllo → 日本 🙂 def f(x):\n\treturn x"
+
+
+@pytest.fixture(scope="module")
+def serving():
+    from types import SimpleNamespace
+
+    from kvscale.worker.model.loader import load_tokenizer
+    from kvscale.worker.server.openai_serving import OpenAIServing
+
+    tokenizer = load_tokenizer(str(TARGET))
+    return OpenAIServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer)), None)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(serving):
+    from kvscale.worker.core.request import TokenLogprobs
+
+    tok = serving.tokenizer
+    ids = tok.encode(TEXT)[1:]  # without <s>
+    partial = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    assert len(partial) >= 4  # byte-level BPE splits the multi-byte characters
+    entries = [serving.chat_logprob(TokenLogprobs(i, -0.5, 1, [(i, -0.5), (ids[0], -1.0)]), 2) for i in ids]
+    # Concatenated, the tokens' bytes are the text's UTF-8: a half character gives its real byte(s).
+    assert b"".join(bytes(e["bytes"]) for e in entries) == TEXT.encode()
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in entries)
+    for i in partial:
+        raw = serving.token_bytes(i)
+        assert raw != "\ufffd".encode() and not raw.decode("utf-8", errors="ignore")
+    # Special tokens are their text.
+    assert serving.token_bytes(tok.convert_tokens_to_ids("</s>")) == b"</s>"
+
+
+def test_completion_top_logprobs_keep_tokens_that_share_a_text(serving):
+    from kvscale.worker.core.request import TokenLogprobs
+
+    tok = serving.tokenizer
+    a, b = [i for i in tok.encode(TEXT)[1:] if tok.decode([i]) == "\ufffd"][:2]
+    assert a != b
+    plain = tok.encode("x = 1")[1]
+    lps = [TokenLogprobs(a, -0.2, 1, [(a, -0.2), (b, -1.5), (plain, -2.0)])]
+    top = serving.completion_logprobs(lps, 0)["top_logprobs"][0]
+    assert len(top) == 3  # no entry merged away
+    assert top["\ufffd"] == -0.2  # the most likely keeps the text key
+    assert top[f"token_id:{b}"] == -1.5
+    assert top[tok.decode([plain])] == -2.0
+
+
+def test_token_bytes_of_a_sentencepiece_byte_fallback_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvscale.worker.server.openai_serving import _decoder_kinds, token_bytes
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({"▁h": 259, "llo": 260, "▁": 261, "h": 262, "l": 263, "o": 264, "ll": 265})
+    model = models.BPE(vocab=vocab, merges=[("l", "l"), ("ll", "o"), ("▁", "h")], byte_fallback=True)
+    spm = Tokenizer(model)
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    kinds = _decoder_kinds(tok)
+    ids = tok.encode("hllo é", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids)[-2:] == ["<0xC3>", "<0xA9>"]  # é as two byte tokens
+    # The word marker is a space (the decoder strips the very first one from the text).
+    assert b"".join(token_bytes(tok, i, kinds) for i in ids) == " hllo é".encode()
+    assert token_bytes(tok, 2, kinds) == b"</s>"
