@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 
@@ -67,7 +65,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until then
     logprobs: list[TokenLogprobs] | None = None
-    generator: torch.Generator | None = None
+    # The sequence's sampling seed (SamplingParams.seed, + i for the i-th of n); None: unseeded.
+    seed: int | None = None
 
     # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
     # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.

@@ -164,9 +164,9 @@ class LLMEngine:
                 arrival_time=arrival,
                 prompt=text,
             )
-            if params.seed is not None and not params.is_greedy:
-                # Own generator per sequence: a seeded request reproduces whatever shares its batch.
-                child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            if params.seed is not None:
+                # Its own seed per sequence; the sampler derives each position's noise from it.
+                child.seed = params.seed + i
             children.append(child)
         self.scheduler.check_admissible(children[0])
         detokenizers = [

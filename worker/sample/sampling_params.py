@@ -15,6 +15,12 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or >= vocab) and top_p == 1 and min_p == 0 disable
     those filters. Penalties follow vLLM/OpenAI semantics: presence and frequency penalties act on
     generated tokens, the repetition penalty on prompt and generated tokens.
+
+    seed: the same seed gives the same tokens for the same prompt and parameters, whatever else
+    shares the batch and with speculative decoding on or off (the noise at each output position
+    is a function of the seed and the position), provided the model's logits are the same; the
+    kernels are not batch-invariant, so in rare cases floating point can flip a token
+    (docs/engine.md). With n > 1, sequence i uses seed + i.
     """
 
     n: int = 1
