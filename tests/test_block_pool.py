@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale.worker.core.block_pool import BlockPool, hash_block_tokens
+from kvscale.worker.core.block_pool import BlockPool
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request
 from kvscale.worker.sample.sampling_params import SamplingParams
@@ -33,27 +33,17 @@ def test_allocate_free_and_usage_are_exact():
 def test_cached_blocks_are_evicted_only_when_free_list_is_empty_and_in_lru_order():
     pool = BlockPool(4)
     a, b = pool.allocate(2)
-    pool.cache_block(a, 1, None, [1])
-    pool.cache_block(b, 2, 1, [2])
+    pool.cache_block(a, b"h1")
+    pool.cache_block(b, b"h2")
     pool.free([b, a])  # b becomes evictable first, so it is the least recently freed
     assert pool.num_indexed_blocks == 2
     fresh = pool.allocate(2)  # the two plain free blocks, cache untouched
     assert {x.block_id for x in fresh}.isdisjoint({a.block_id, b.block_id})
-    assert pool.get_indexed_block(1, None, [1]) is a
+    assert pool.get_indexed_block(b"h1") is a
     (evicted,) = pool.allocate(1)
-    assert evicted is b and pool.get_indexed_block(2, 1, [2]) is None
-    assert pool.get_indexed_block(1, None, [1]) is a
+    assert evicted is b and pool.get_indexed_block(b"h2") is None
+    assert pool.get_indexed_block(b"h1") is a
     pool.check_invariants()
-
-
-def test_hash_hit_is_confirmed_by_tokens_and_parent():
-    pool = BlockPool(2)
-    (a,) = pool.allocate(1)
-    h = hash_block_tokens(None, [5, 6])
-    pool.cache_block(a, h, None, [5, 6])
-    assert pool.get_indexed_block(h, None, [5, 6]) is a
-    assert pool.get_indexed_block(h, None, [5, 7]) is None  # a forged collision: same hash, other tokens
-    assert pool.get_indexed_block(h, 123, [5, 6]) is None  # same tokens under another prefix
 
 
 def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():

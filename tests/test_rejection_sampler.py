@@ -45,15 +45,17 @@ def chi_square_p_value(observed: Counter, expected_probs: dict, n: int) -> float
 
 
 # -- the verifier alone, on fixed distributions --------------------------------------------------------
-def _request(i: int, temperature: float = 1.0) -> Request:
-    params = SamplingParams(temperature=temperature, seed=i, max_tokens=8)
-    r = Request(str(i), [0, 1, 2], params)
-    r.generator = torch.Generator().manual_seed(i)
-    return r
+def _request(i: int, temperature: float = 1.0, seeded: bool = True) -> Request:
+    """Seeded requests take the coupled path, unseeded ones rejection sampling."""
+    seed = i if seeded else None
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=8)
+    return Request(str(i), [0, 1, 2], params, seed=seed)
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("with_q", [True, False], ids=["draft-q", "point-mass-q"])
-def test_first_token_follows_p_for_any_proposal_distribution(with_q):
+def test_first_token_follows_p_for_any_proposal_distribution(with_q, seeded):
+    torch.manual_seed(0)
     vocab, n = 6, 6000
     p_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]] * 3)  # the target at positions 0, 1, 2
     q = torch.tensor([0.05, 0.05, 0.1, 0.5, 0.2, 0.1])  # a poor draft: mass where p has little
@@ -61,7 +63,7 @@ def test_first_token_follows_p_for_any_proposal_distribution(with_q):
     rows = []
     for i in range(n):
         drafts = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
-        rows.append(SpecDecodeRow(_request(i), drafts, q.expand(2, vocab) if with_q else None))
+        rows.append(SpecDecodeRow(_request(i, seeded=seeded), drafts, q.expand(2, vocab) if with_q else None))
     out = RejectionSampler()(p_logits.repeat(n, 1), rows, vocab)
     first = Counter(t[0] for t in out.token_ids)
     p = p_logits[0].softmax(-1).tolist()
@@ -111,13 +113,18 @@ def exact_joint() -> tuple[list[int], dict[tuple[int, ...], float]]:
     return prompt, joint
 
 
-def _sample(prompt: list[int], n: int, **spec) -> Counter:
+def _sample(prompt: list[int], n: int, seeded: bool, **spec) -> Counter:
+    """Seeded requests are verified by coupling, unseeded ones by rejection sampling (made
+    deterministic by the global seed)."""
     llm = LLM(str(TARGET), num_kv_blocks=2048, max_num_seqs=256, max_num_batched_tokens=4096,
               num_speculative_tokens=LENGTH - 2, speculative_adaptive=False, **spec)  # fmt: skip
     params = [
-        SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=LENGTH, seed=i, ignore_eos=True)
+        SamplingParams(
+            temperature=1.0, top_k=TOP_K, max_tokens=LENGTH, seed=i if seeded else None, ignore_eos=True
+        )
         for i in range(n)
     ]
+    torch.manual_seed(0)
     outs = llm.generate([prompt] * n, params)
     assert sum(o.outputs[0].num_draft_tokens for o in outs) >= n  # every request speculated
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
@@ -127,17 +134,20 @@ SPEC = {"draft": dict(draft_model=str(DRAFT)), "ngram": dict(speculative_method=
 N = 2000
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("method", sorted(SPEC))
-def test_speculative_sampling_matches_the_target(method, exact_joint):
+def test_speculative_sampling_matches_the_target(method, seeded, exact_joint):
     prompt, joint = exact_joint
-    assert chi_square_p_value(_sample(prompt, N, **SPEC[method]), joint, N) > SIGNIFICANCE
+    assert chi_square_p_value(_sample(prompt, N, seeded, **SPEC[method]), joint, N) > SIGNIFICANCE
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("method", sorted(SPEC))
-def test_a_verifier_that_always_accepts_is_caught(method, exact_joint, monkeypatch):
+def test_a_verifier_that_always_accepts_is_caught(method, seeded, exact_joint, monkeypatch):
     monkeypatch.setattr(rs, "accept_proposals", lambda p, q, u: torch.ones_like(p, dtype=torch.bool))
+    monkeypatch.setattr(rs, "_verify_exact", lambda drafts, targets: [*drafts, targets[-1]])
     prompt, joint = exact_joint
-    assert chi_square_p_value(_sample(prompt, N, **SPEC[method]), joint, N) < SIGNIFICANCE
+    assert chi_square_p_value(_sample(prompt, N, seeded, **SPEC[method]), joint, N) < SIGNIFICANCE
 
 
 def test_chi_square_helper_is_calibrated():

@@ -29,9 +29,8 @@ def make_request(i: int, prompt: list[int] | None = None, seed: int | None = Non
         prompt_token_ids=prompt if prompt is not None else [2, 3, 4],
         sampling_params=SamplingParams(seed=seed, **params),
         eos_token_ids=frozenset({EOS}),
+        seed=seed,
     )
-    if seed is not None:
-        req.generator = torch.Generator().manual_seed(seed)
     return req
 
 
@@ -239,7 +238,7 @@ def test_all_greedy_fast_path() -> None:
     md = SamplingMetadata.from_requests(reqs, 50, CPU)
     assert md.all_greedy and not md.all_random and md.no_penalties
     assert md.top_k is None and md.top_p is None and md.min_p is None and md.prompt_token_ids is None
-    assert md.max_num_logprobs is None and not md.generators and not md.min_tokens
+    assert md.max_num_logprobs is None and not md.noise_seeds and not md.min_tokens
     logits = random_logits(1, 64, 50).to(torch.bfloat16)
     out = Sampler()(logits, md)
     assert out.logprobs is None
@@ -257,7 +256,7 @@ def test_greedy_rows_ignore_filters_and_mix_with_random_rows() -> None:
     ]
     md = SamplingMetadata.from_requests(reqs, vocab, CPU)
     assert not md.all_greedy and not md.all_random
-    assert set(md.generators) == set()  # the seeded row is greedy: no noise needed
+    assert set(md.noise_seeds) == set()  # the seeded row is greedy: no noise needed
     logits = random_logits(3, 4, vocab)
     logits_before = logits.clone()
     tokens = Sampler()(logits, md).sampled_token_ids.tolist()
@@ -281,9 +280,14 @@ def test_sampled_tokens_stay_inside_the_filters() -> None:
     md = SamplingMetadata.from_requests(reqs, vocab, CPU)
     scaled = logits / md.temperature.unsqueeze(1)
     allowed = apply_min_p(apply_top_k_top_p(scaled, md.top_k, md.top_p), md.min_p)
-    # Many copies of each row in one batch (the seeded copies share, and advance, one generator).
+    # Many copies of each row in one batch (the seeded row's copies with seeds of their own: copies
+    # with one seed at one position would all draw the same noise).
     copies = 300
-    md = SamplingMetadata.from_requests([r for r in reqs for _ in range(copies)], vocab, CPU)
+    copied = [r for r in reqs for _ in range(copies)]
+    copied[4 * copies : 5 * copies] = [
+        make_request(4, temperature=1.0, seed=11 + c, top_k=2) for c in range(copies)
+    ]
+    md = SamplingMetadata.from_requests(copied, vocab, CPU)
     torch.manual_seed(0)
     tokens = Sampler()(logits.repeat_interleave(copies, dim=0), md).sampled_token_ids.view(batch, copies)
     assert bool((allowed.gather(1, tokens) != -math.inf).all())
@@ -305,7 +309,10 @@ def test_seeded_rows_reproduce_and_ignore_batch_neighbours() -> None:
         out = []
         for _ in range(20):
             md = SamplingMetadata.from_requests(reqs, vocab, CPU)
-            out.append(int(sampler(logits, md).sampled_token_ids[position]))
+            tokens = sampler(logits, md).sampled_token_ids.tolist()
+            for req, token in zip(reqs, tokens, strict=True):
+                req.append_output_token(token, 0.0)  # the next step samples the next position
+            out.append(tokens[position])
         return out
 
     first = run(seed_neighbours=1, batch=3, position=0)

@@ -10,35 +10,47 @@ exactly one of three states:
 - free: ref_cnt == 0 and no hash.
 
 Occupancy (what the autoscaler watches) is used / total, maintained as a counter: exact and O(1).
+
+Block hashes are SHA-256, chained: block i's hash covers block i-1's hash and block i's token ids,
+so it stands for the whole prefix up to and including the block (and the request's cache salt,
+which seeds the chain). A hit on the hash alone is therefore a hit on the whole prefix: nothing
+short of a SHA-256 collision can serve one prefix's KV to another (vLLM made the same move after
+CVE-2025-25183, where Python's 64-bit `hash()` could be collided on purpose).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BlockHash = int
+BlockHash = bytes  # a 32-byte SHA-256 digest
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of a full block: equal only if the whole prefix up to this block is equal.
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The parent hash of a request's first block. A salt gives a chain of its own: requests with
+    different salts (or one with and one without) share no block, even for the same prompt."""
+    if cache_salt is None:
+        return hashlib.sha256(b"kvscale-prefix-root").digest()
+    return hashlib.sha256(b"kvscale-prefix-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
-    Python's tuple-of-int hash is deterministic across processes (no string salting involved);
-    hits are still confirmed by comparing tokens and the parent hash (see BlockPool.get_indexed_block).
-    """
-    return hash((parent_hash, tuple(token_ids)))
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """SHA-256 of the parent's digest (fixed 32 bytes) and the block's token ids as int64s: equal
+    only if the whole prefix up to this block, salt included, is equal."""
+    h = hashlib.sha256(parent_hash)
+    h.update(array("q", token_ids))
+    return h.digest()
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    # Set while the block is in the prefix-cache index: its hash, the hash of the block before it
-    # and its tokens, so a hash hit can be confirmed exactly.
+    # Set while the block is in the prefix-cache index: the hash of the prefix it ends.
     block_hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None
 
 
 class BlockPool:
@@ -73,13 +85,11 @@ class BlockPool:
         """KV-cache occupancy in [0, 1]: blocks held by requests over all blocks."""
         return self._num_used / self.num_blocks
 
-    def get_indexed_block(
-        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int]
-    ) -> KVCacheBlock | None:
-        block = self._index.get(block_hash)
-        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
-            return None  # miss, or a hash collision caught by the exact comparison
-        return block
+    def get_indexed_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block holding the prefix `block_hash` stands for, or None. No token comparison: the
+        chained hash already covers the whole prefix, which comparing this block's own tokens and
+        parent could not (a collision earlier in the chain would pass that check)."""
+        return self._index.get(block_hash)
 
     # -- state changes -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVCacheBlock]:
@@ -120,20 +130,14 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def cache_block(
-        self,
-        block: KVCacheBlock,
-        block_hash: BlockHash,
-        parent_hash: BlockHash | None,
-        token_ids: Sequence[int],
-    ) -> bool:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Index a full, computed block under its hash. Returns False when another block already
         holds that content (computed concurrently); that copy is then simply not indexed."""
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self._index:
             return False
-        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        block.block_hash = block_hash
         self._index[block_hash] = block
         return True
 
@@ -147,7 +151,7 @@ class BlockPool:
     def _uncache(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._index[block.block_hash]
-        block.block_hash = block.parent_hash = block.token_ids = None
+        block.block_hash = None
 
     def check_invariants(self) -> None:
         """Exhaustive consistency check, for tests."""

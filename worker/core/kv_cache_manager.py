@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvscale.worker.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvscale.worker.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, root_hash
 from kvscale.worker.core.request import Request
 
 
@@ -42,10 +42,11 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend request.block_hashes over every full block of its known tokens."""
+        """Extend request.block_hashes over every full block of its known tokens (the chain starts
+        from the request's cache salt)."""
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -57,18 +58,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
+        max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        for i in range(min(max_blocks, len(request.block_hashes))):
-            parent = request.block_hashes[i - 1] if i else None
-            block = self.block_pool.get_indexed_block(
-                request.block_hashes[i], parent, request.all_token_ids[i * bs : (i + 1) * bs]
-            )
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_indexed_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Count a lookup once, when the request is admitted for the first time (a lookup that
@@ -119,10 +116,9 @@ class KVCacheManager:
         if end <= start:
             return
         self._update_block_hashes(request)
-        blocks, hashes, tokens = self.req_to_blocks[rid], request.block_hashes, request.all_token_ids
+        blocks, hashes = self.req_to_blocks[rid], request.block_hashes
         for i in range(start, end):
-            parent = hashes[i - 1] if i else None
-            self.block_pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs])
+            self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_hashed_blocks[rid] = end
 
     def free_excess_blocks(self, request: Request) -> None:

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 
@@ -60,13 +58,15 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V sit in the cache. The newest sampled token is never computed yet.
     num_computed_tokens: int = 0
-    # Chained hashes of the full blocks of all_token_ids, extended lazily by the KV cache manager.
-    block_hashes: list[int] = field(default_factory=list)
+    # Chained SHA-256 hashes of the full blocks of all_token_ids (block_pool.hash_block_tokens),
+    # extended lazily by the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until then
     logprobs: list[TokenLogprobs] | None = None
-    generator: torch.Generator | None = None
+    # The sequence's sampling seed (SamplingParams.seed, + i for the i-th of n); None: unseeded.
+    seed: int | None = None
 
     # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
     # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.
@@ -87,6 +87,11 @@ class Request:
             self.logprobs = []
 
     @property
+    def cache_salt(self) -> str | None:
+        """Seeds the request's block-hash chain: only requests with the same salt share KV blocks."""
+        return self.sampling_params.cache_salt
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -102,10 +107,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int, now: float) -> None:
+    def append_output_token(self, token_id: int, now: float, logprobs: TokenLogprobs | None = None) -> None:
+        """Append one generated token with its logprobs (when the request asked for them): both are
+        appended together, so a run cut short by a stop keeps exactly one entry per token."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.token_times.append(now)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first num_output_tokens (a finished request whose stop string

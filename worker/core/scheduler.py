@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
-from kvscale.worker.core.request import Request, RequestStatus
+from kvscale.worker.core.request import Request, RequestStatus, TokenLogprobs
 
 
 @dataclass
@@ -182,15 +182,27 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[list[int]], now: float | None = None
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: list[list[int]],
+        now: float | None = None,
+        logprobs: list[list[TokenLogprobs] | None] | None = None,
     ) -> list[Request]:
-        """Advance each scheduled request by its computed tokens, append what was sampled, and
-        finish those that hit EOS, a stop token, max_tokens or the model length. Returns the
-        requests that received tokens (finished ones included)."""
+        """Advance each scheduled request by its computed tokens, append what was sampled (with its
+        logprobs, token by token), and finish those that hit EOS, a stop token, max_tokens or the
+        model length: tokens after the stop in an accepted speculative run are dropped together with
+        their logprobs. Returns the requests that received tokens (finished ones included)."""
         now = time.monotonic() if now is None else now
+        if logprobs is None:
+            logprobs = [None] * len(out.requests)
         updated = []
-        for request, num_tokens, new_ids, drafts in zip(
-            out.requests, out.num_scheduled_tokens, sampled_token_ids, out.spec_token_ids, strict=True
+        for request, num_tokens, new_ids, drafts, new_lps in zip(
+            out.requests,
+            out.num_scheduled_tokens,
+            sampled_token_ids,
+            out.spec_token_ids,
+            logprobs,
+            strict=True,
         ):
             if request.is_finished:  # aborted between schedule and update
                 continue
@@ -200,8 +212,8 @@ class Scheduler:
             request.num_computed_tokens += num_tokens - num_rejected
             if not new_ids:
                 continue  # a prefill chunk that does not reach the end of the prompt
-            for token_id in new_ids:
-                request.append_output_token(token_id, now)
+            for j, token_id in enumerate(new_ids):
+                request.append_output_token(token_id, now, new_lps[j] if new_lps else None)
                 status = self.check_stop(request, token_id)
                 if status is not None:
                     self.running.remove(request)

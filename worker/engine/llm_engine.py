@@ -17,7 +17,7 @@ import torch
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus
-from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import RequestOutput, completion_output
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
@@ -164,9 +164,9 @@ class LLMEngine:
                 arrival_time=arrival,
                 prompt=text,
             )
-            if params.seed is not None and not params.is_greedy:
-                # Own generator per sequence: a seeded request reproduces whatever shares its batch.
-                child.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            if params.seed is not None:
+                # Its own seed per sequence; the sampler derives each position's noise from it.
+                child.seed = params.seed + i
             children.append(child)
         self.scheduler.check_admissible(children[0])
         detokenizers = [
@@ -236,8 +236,9 @@ class LLMEngine:
         result = self.runner.execute_model(scheduled)
         if self.spec_decoder is not None:
             self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
-        updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
-        self._record_logprobs(scheduled, result.logprobs)
+        updated = self.scheduler.update_from_output(
+            scheduled, result.sampled_token_ids, logprobs=result.logprobs
+        )
         touched: dict[str, ParentRequest] = {}
         for request in updated:
             parent = self._parents[self._child_to_parent[request.request_id]]
@@ -254,11 +255,6 @@ class LLMEngine:
         stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
         return stats
-
-    def _record_logprobs(self, scheduled: SchedulerOutput, logprobs: list) -> None:
-        for request, lps in zip(scheduled.requests, logprobs, strict=True):
-            if lps and request.logprobs is not None:
-                request.logprobs.extend(lps)
 
     def _detokenize(self, parent: ParentRequest, request: Request) -> None:
         i = parent.children.index(request)

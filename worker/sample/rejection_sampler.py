@@ -13,6 +13,15 @@ greedy drafts (q(d) = 1, so acceptance is p(d) and the residual is p without d).
 p is what the request's own sampling parameters make of the logits (penalties see the proposed
 tokens before each position, then temperature, top-k/top-p, min-p), so those parameters keep
 their meaning under speculation.
+
+Seeded requests are verified by coupling instead: the target token at each position is the
+exponential race argmax(p_j / E_j) with the position's own noise E_j (sampler.noise_seed), exactly
+what plain decoding samples there, and the proposals are accepted while they equal it. The output
+is then the plain-decoding output token for token, so it cannot depend on how many tokens were
+proposed (which depends on the batch). Each emitted token is still an exact sample of p_j. For
+point-mass proposals the acceptance probability is p(d), as with rejection sampling; a draft
+model that samples with the same noise is accepted with probability P(argmax q/E = argmax p/E),
+somewhat below rejection sampling's sum min(p, q) (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -51,12 +60,6 @@ def accept_proposals(p_draft: torch.Tensor, q_draft: torch.Tensor, uniform: torc
     return uniform * q_draft < p_draft
 
 
-def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    if generator is None:
-        return torch.rand(n, device=device)
-    return torch.rand(n, generator=generator, device=generator.device).to(device)
-
-
 class RejectionSampler:
     def __call__(self, logits: torch.Tensor, rows: list[SpecDecodeRow], vocab_size: int) -> VerifyOutput:
         """logits: [sum(n_i + 1), V], row i's n_i + 1 positions in order, rows one after another."""
@@ -79,7 +82,12 @@ class RejectionSampler:
             n = len(row.draft_token_ids)
             if row.request.sampling_params.is_greedy:
                 assert greedy is not None
-                emitted = _verify_greedy(row.draft_token_ids, greedy[offset : offset + n + 1])
+                emitted = _verify_exact(row.draft_token_ids, greedy[offset : offset + n + 1])
+            elif row.request.seed is not None:
+                assert dist.probs is not None
+                seeds = {j: metadata.noise_seeds[offset + j] for j in range(n + 1)}
+                targets = random_sample(dist.probs[offset : offset + n + 1], seeds).tolist()
+                emitted = _verify_exact(row.draft_token_ids, targets)
             else:
                 assert dist.probs is not None
                 emitted = self._verify_random(row, dist.probs[offset : offset + n + 1])
@@ -94,9 +102,9 @@ class RejectionSampler:
 
     @staticmethod
     def _verify_random(row: SpecDecodeRow, probs: torch.Tensor) -> list[int]:
+        """Rejection sampling (unseeded rows), with the global generator."""
         drafts, device = row.draft_token_ids, probs.device
         n = len(drafts)
-        generator = row.request.generator
         if n:
             d = torch.tensor(drafts, device=device)
             p_d = probs[torch.arange(n, device=device), d]
@@ -104,7 +112,7 @@ class RejectionSampler:
                 q_d = torch.ones_like(p_d)
             else:
                 q_d = row.draft_probs[torch.arange(n, device=device), d].to(p_d.dtype)
-            accepted = accept_proposals(p_d, q_d, _uniform(n, generator, device)).tolist()
+            accepted = accept_proposals(p_d, q_d, torch.rand(n, device=device)).tolist()
             a = accepted.index(False) if False in accepted else n
         else:
             a = 0
@@ -120,8 +128,7 @@ class RejectionSampler:
             target = residual / residual.sum()
         else:
             target = probs[n]
-        generators = {0: generator} if generator is not None else {}
-        last = int(random_sample(target.unsqueeze(0), generators)[0])
+        last = int(random_sample(target.unsqueeze(0), {})[0])
         return [*drafts[:a], last]
 
     @staticmethod
@@ -146,8 +153,10 @@ class RejectionSampler:
         return result
 
 
-def _verify_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
+def _verify_exact(drafts: list[int], targets: list[int]) -> list[int]:
+    """The longest run of proposals equal to the target's own token at their position, then the
+    target's token where they part (or the bonus after a full run): targets has len(drafts) + 1."""
     a = 0
-    while a < len(drafts) and drafts[a] == argmax[a]:
+    while a < len(drafts) and drafts[a] == targets[a]:
         a += 1
-    return [*drafts[:a], argmax[a]]
+    return [*drafts[:a], targets[a]]

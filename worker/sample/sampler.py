@@ -2,8 +2,15 @@
 
 Order of operations, per row: raw logprobs (of the unprocessed logits) -> min_tokens mask -> penalties ->
 greedy argmax, or temperature -> top-k/top-p -> min-p -> sample. Sampling uses the exponential race
-(argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets a seeded row draw its
-noise from its own generator, so its tokens do not depend on which other rows share the batch.
+(argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own
+noise.
+
+Seeded requests: the noise that picks the token at output position t is a pure function of
+(seed, t) (`noise_seed`), drawn from a generator seeded for that row alone. Nothing else (the other
+rows, how many steps or proposals came before, a preemption) moves it, so the same seed gives the
+same tokens whatever shares the batch, provided the logits are the same (see docs/engine.md for
+when floating point makes them differ). Speculative decoding uses the same noise (draft and
+verification alike), so a seeded request emits the same tokens with speculation on or off.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64; 0 (or >= vocab) disables; None when no row uses it
     top_p: torch.Tensor | None  # [B] float32; 1.0 disables; None when no row uses it
     min_p: torch.Tensor | None  # [B] float32; 0.0 disables; None when no row uses it
-    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded, non-greedy rows)
+    # row -> seed of the noise for the position that row samples (seeded, non-greedy rows only)
+    noise_seeds: dict[int, int]
     no_penalties: bool
     presence_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
     frequency_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
@@ -56,7 +64,7 @@ class SamplingMetadata:
         presence: list[float] = []
         frequency: list[float] = []
         repetition: list[float] = []
-        generators: dict[int, torch.Generator] = {}
+        noise_seeds: dict[int, int] = {}
         min_tokens: dict[int, set[int]] = {}
         num_logprobs: list[int | None] = []
         for i, req in enumerate(requests):
@@ -71,8 +79,9 @@ class SamplingMetadata:
             presence.append(params.presence_penalty)
             frequency.append(params.frequency_penalty)
             repetition.append(params.repetition_penalty)
-            if not greedy and req.generator is not None:
-                generators[i] = req.generator
+            if not greedy and req.seed is not None:
+                # The row samples output position len(outputs[i]) (later for a proposed position).
+                noise_seeds[i] = noise_seed(req.seed, len(outputs[i]))
             if len(outputs[i]) < params.min_tokens:
                 banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
                 if banned:
@@ -102,7 +111,7 @@ class SamplingMetadata:
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if any(top_k) else None,
             top_p=as_tensor(top_p, 1.0),
             min_p=as_tensor(min_p, 0.0),
-            generators=generators,
+            noise_seeds=noise_seeds,
             no_penalties=presence_t is None and frequency_t is None and repetition_t is None,
             presence_penalties=presence_t,
             frequency_penalties=frequency_t,
@@ -209,16 +218,30 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tenso
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential race: argmax(p / q), q ~ Exp(1) i.i.d., picks token i with probability p_i."""
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's noise at output position `position`: splitmix64 of the pair,
+    so neighbouring seeds and positions give unrelated streams."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def random_sample(probs: torch.Tensor, noise_seeds: dict[int, int]) -> torch.Tensor:
+    """Exponential race: argmax(p / q), q ~ Exp(1) i.i.d., picks token i with probability p_i.
+
+    Rows in `noise_seeds` draw q from a generator seeded with their seed (so q depends on nothing
+    but that seed and the vocabulary size); the others share the global generator."""
     q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
+    if len(noise_seeds) < probs.shape[0]:
         q.exponential_()
-    for row, gen in generators.items():
-        if gen.device == q.device:
-            q[row].exponential_(generator=gen)
-        else:  # A generator on another device still gives its own stream; copy its draw over.
-            q[row] = torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen).to(q.device)
+    if noise_seeds:
+        gen = torch.Generator(device=q.device)
+        for row, seed in noise_seeds.items():
+            q[row].exponential_(generator=gen.manual_seed(seed))
     # Exp(1) can return exactly 0; 0/0 would be NaN and could win argmax for a masked token.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
@@ -267,7 +290,7 @@ class Sampler:
         if dist.probs is None:
             sampled = dist.greedy_token_ids
         else:
-            sampled = random_sample(dist.probs, metadata.generators)
+            sampled = random_sample(dist.probs, metadata.noise_seeds)
             if dist.greedy_token_ids is not None:
                 sampled = torch.where(metadata.temperature == 0.0, dist.greedy_token_ids, sampled)
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, metadata)

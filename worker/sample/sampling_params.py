@@ -15,6 +15,12 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or >= vocab) and top_p == 1 and min_p == 0 disable
     those filters. Penalties follow vLLM/OpenAI semantics: presence and frequency penalties act on
     generated tokens, the repetition penalty on prompt and generated tokens.
+
+    seed: the same seed gives the same tokens for the same prompt and parameters, whatever else
+    shares the batch and with speculative decoding on or off (the noise at each output position
+    is a function of the seed and the position), provided the model's logits are the same; the
+    kernels are not batch-invariant, so in rare cases floating point can flip a token
+    (docs/engine.md). With n > 1, sequence i uses seed + i.
     """
 
     n: int = 1
@@ -35,6 +41,10 @@ class SamplingParams:
     # Number of most likely alternatives to report per generated token (None: no logprobs).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's `cache_salt`): mixed into the hash of the first KV block, so
+    # only requests carrying the same salt can share cached KV. Not a sampling parameter, but it
+    # travels with one request like them. None: the shared, unsalted cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +101,10 @@ class SamplingParams:
             (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be token ids",
+            ),
+            (
+                self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+                "cache_salt must be a non-empty string if given",
             ),
         ]
         for ok, message in checks:

@@ -9,6 +9,7 @@ Life of a worker process:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import time
@@ -68,6 +69,14 @@ def _unavailable(state: ServerState) -> APIError | None:
     return None
 
 
+def api_key_matches(authorization: str, api_key: str) -> bool:
+    """Whether an Authorization header carries `Bearer <api_key>`, compared in constant time: a
+    plain `==` returns at the first differing byte, so response timing would leak the key's prefix."""
+    expected = f"Bearer {api_key}".encode()
+    # surrogatepass: any str a header can decode to is encodable, so a hostile header cannot raise.
+    return hmac.compare_digest(authorization.encode("utf-8", "surrogatepass"), expected)
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler):
     """Auth, admission (loading / draining) and the OpenAI error shape for everything under /v1."""
@@ -75,7 +84,7 @@ async def api_middleware(request: web.Request, handler):
     if not request.path.startswith("/v1/"):
         return await handler(request)
     key = state.config.api_key
-    if key is not None and request.headers.get("Authorization", "") != f"Bearer {key}":
+    if key is not None and not api_key_matches(request.headers.get("Authorization", ""), key):
         return _error(APIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
     if request.method == "POST":
         unavailable = _unavailable(state)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,64 @@ from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("kvscale.worker.requests")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen) writes each byte of a token as one printable character:
+    printable Latin-1 bytes as themselves, the others as U+0100 onwards in byte order. The
+    inverse map, character -> byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shown = {b: b for b in printable}
+    for b in range(256):
+        if b not in shown:
+            shown[b] = 256 + len(shown) - len(printable)
+    return {chr(c): b for b, c in shown.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(tokenizer) -> set[str]:
+    """The tokenizers decoder types of a fast tokenizer ("ByteLevel", "ByteFallback", ...)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return {d.get("type", "") for d in [decoder, *decoder.get("decoders", [])]}
+
+
+def token_bytes(tokenizer, token_id: int, kinds: set[str]) -> bytes:
+    """The raw bytes a token stands for, also when it is only part of a UTF-8 character (its
+    decoded text is then U+FFFD, whose bytes say nothing). Byte-level BPE maps its alphabet back;
+    SentencePiece byte fallback turns <0xNN> into the byte and the word marker into a space; added
+    and special tokens are their text. Anything else falls back to the decoded text's UTF-8."""
+    if token_id in getattr(tokenizer, "added_tokens_decoder", {}):
+        return tokenizer.decode([token_id]).encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if "ByteLevel" in kinds and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if "ByteFallback" in kinds:
+            m = _BYTE_FALLBACK.fullmatch(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("▁", " ").encode()
+    return tokenizer.decode([token_id]).encode()
+
+
+def top_logprobs_by_text(top: list[tuple[int, float]], text: Callable[[int], str]) -> dict[str, float]:
+    """Completions' top_logprobs maps token text to logprob. Distinct tokens can share a text (two
+    halves of UTF-8 characters both decode to U+FFFD; a special token and the same characters as
+    plain text): the most likely keeps the text as its key, later ones get vLLM's
+    `token_id:<id>` spelling, so no entry is merged away."""
+    out: dict[str, float] = {}
+    for token_id, value in top:
+        key = text(token_id)
+        out[key if key not in out else f"token_id:{token_id}"] = value
+    return out
 
 
 @dataclass
@@ -67,6 +126,8 @@ class OpenAIServing:
         self.llm = llm
         self.config = config
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        self._decoder_kinds: set[str] | None = None
 
     @property
     def tokenizer(self):
@@ -142,6 +203,14 @@ class OpenAIServing:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            if self._decoder_kinds is None:
+                self._decoder_kinds = _decoder_kinds(self.tokenizer)
+            raw = self._token_bytes[token_id] = token_bytes(self.tokenizer, token_id, self._decoder_kinds)
+        return raw
 
     # -- running the engine --------------------------------------------------------------------
     async def run(
@@ -246,7 +315,7 @@ class OpenAIServing:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [top_logprobs_by_text(lp.top, self.token_text) for lp in lps],
             "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
         }
 
@@ -315,7 +384,7 @@ class OpenAIServing:
     def chat_logprob(self, lp: TokenLogprobs, top: int) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:
             text = self.token_text(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+            return {"token": text, "logprob": value, "bytes": list(self.token_bytes(token_id))}
 
         return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:top]]}
 

@@ -65,6 +65,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     # Field validators (not model validators), so that the 400's `param` names the field.
     @field_validator("logit_bias")
@@ -101,6 +103,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            cache_salt=self.cache_salt,
         )
 
     @property

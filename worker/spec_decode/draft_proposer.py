@@ -91,7 +91,9 @@ class DraftModelProposer:
         self, logits: torch.Tensor, active: list[int], requests: list[Request], drafts: list[list[int]]
     ) -> tuple[list[int], list[torch.Tensor | None]]:
         """Greedy requests draft the argmax; sampled ones draw from what their own sampling
-        parameters make of the draft's logits (so q is close to the target's p)."""
+        parameters make of the draft's logits (so q is close to the target's p). A seeded request
+        draws with the noise of the position it drafts, the noise its verification will use: the
+        draft then proposes exactly the target's token wherever the two argmaxes agree."""
         rows = [requests[i] for i in active]
         if all(r.sampling_params.is_greedy for r in rows):
             return logits.argmax(dim=-1).tolist(), [None] * len(rows)
@@ -99,7 +101,7 @@ class DraftModelProposer:
         metadata = SamplingMetadata.from_requests(rows, logits.shape[-1], logits.device, outputs)
         dist = target_distribution(logits, metadata)
         assert dist.probs is not None
-        sampled = random_sample(dist.probs, metadata.generators)
+        sampled = random_sample(dist.probs, metadata.noise_seeds)
         tokens, row_probs = [], []
         for b, r in enumerate(rows):
             if r.sampling_params.is_greedy:
