@@ -471,6 +471,25 @@ def test_offline_generate_raises_for_a_failing_request_and_the_engine_goes_on(
     )
 
 
+def test_only_consecutive_failed_steps_kill_the_engine(target_model, monkeypatch):
+    """A device that fails every step (a sticky CUDA error) must not leave a live-looking engine
+    that fails every request: after MAX_CONSECUTIVE_FAILED_STEPS in a row the step raises."""
+
+    def broken(self, scheduled):
+        raise RuntimeError("injected device fault")
+
+    llm = LLM(target_model, num_kv_blocks=64)
+    monkeypatch.setattr(ModelRunner, "execute_model", broken)
+    engine = llm.engine
+    for i in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=4), request_id=f"r{i}")
+        assert engine.step() == [] and set(engine.take_failed()) == {f"r{i}"}
+        assert not engine.has_unfinished_requests()
+    engine.add_request(PROMPT, SamplingParams(max_tokens=4), request_id="last")
+    with pytest.raises(RuntimeError, match="injected device fault"):
+        engine.step()
+
+
 # -- a KV pool smaller than the model's context -------------------------------------------------
 
 LONG_CONTEXT = 131072
