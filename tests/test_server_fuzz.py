@@ -414,15 +414,15 @@ def valid_request(draw, path: str) -> tuple[dict[str, Any], int]:
         if draw(st.booleans()):
             body["logprobs"] = draw(st.integers(0, 5))
         return body, body["n"] * len(prompts)
-    roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
-    content = st.none() | st.sampled_from(PROMPTS) | st.lists(
+    roles = st.sampled_from(["system", "developer", "user"])
+    content = st.sampled_from(PROMPTS) | st.lists(
         st.builds(lambda t: {"type": "text", "text": t}, st.sampled_from(PROMPTS)), max_size=2
     )  # fmt: skip
-    body["messages"] = draw(
-        st.lists(
-            st.fixed_dictionaries({"role": roles}, optional={"content": content}), min_size=1, max_size=3
-        )
+    # Only an assistant message may leave its content out or null (OpenAI's rule).
+    message = st.fixed_dictionaries({"role": roles, "content": content}) | st.fixed_dictionaries(
+        {"role": st.just("assistant")}, optional={"content": st.none() | content}
     )
+    body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
     body["max_completion_tokens" if draw(st.booleans()) else "max_tokens"] = max_tokens
     if draw(st.booleans()):
         body["logprobs"] = True

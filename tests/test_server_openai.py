@@ -526,8 +526,10 @@ def test_full_queue_is_429_with_retry_after(queued_server):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_larger_than_kv_pool_is_400(queued_server, stream):
+    """The pool holds 1024 tokens: start-up lowered max_model_len (2048) to that."""
     client = openai.OpenAI(base_url=queued_server.base_url + "/v1", api_key="x", max_retries=0)
+    assert client.models.list().data[0].model_extra["max_model_len"] == 1024
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="queued", prompt=PROMPT, max_tokens=1500, stream=stream)
     error = error_of(exc, 400)
-    assert error["type"] == "invalid_request_error" and "KV" in error["message"]
+    assert error["code"] == "context_length_exceeded" and "1024" in error["message"]

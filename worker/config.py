@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,3 +117,28 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int, explicit: bool) -> int:
+    """The model length to serve once the KV pool is sized. The default (the model's
+    max_position_embeddings) is lowered, with a warning, to what the whole pool holds: a
+    long-context model (131,072 positions) on a small pool then serves what it can, where vLLM
+    refuses to start. An explicit max_model_len is kept, with a warning: requests without
+    max_tokens are clipped to the pool, and one that asks for more than the pool holds is a 400."""
+    pool_tokens = num_blocks * block_size
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    more = "give the cache more memory (--kv-cache-memory-bytes, --num-kv-blocks) to serve the full length"
+    if explicit:
+        logger.warning(
+            "the KV cache (%d blocks of %d tokens) cannot hold one sequence of max_model_len=%d tokens; "
+            "requests are limited to %d tokens: %s",
+            num_blocks, block_size, max_model_len, pool_tokens, more,
+        )  # fmt: skip
+        return max_model_len
+    logger.warning(
+        "max_model_len lowered from %d to %d: the KV cache (%d blocks of %d tokens) cannot hold one "
+        "sequence of %d tokens; %s",
+        max_model_len, pool_tokens, num_blocks, block_size, max_model_len, more,
+    )  # fmt: skip
+    return pool_tokens

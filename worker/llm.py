@@ -47,6 +47,9 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in ours:
                         finished[out.request_id] = out
+                failed = [e for rid, e in engine.take_failed().items() if rid in ours]
+                if failed:
+                    raise failed[0]
         except BaseException:
             # All or nothing: a bad prompt (or an interrupt) leaves no half-run batch behind.
             engine.abort_request(ids)

@@ -160,7 +160,9 @@ class AsyncLLM:
         assert engine is not None and loop is not None
         try:
             self._step_until_stopped(engine, loop)
-        except BaseException as e:  # a bug or an OOM, in a step or an add/abort: fail every stream, stay dead
+        # A step fails a request alone where it can (RequestFailedError to that stream); what still
+        # escapes (a broken device, a bug in an add/abort) fails every stream and the engine stays dead.
+        except BaseException as e:
             logger.exception("engine step failed")
             self.dead = e
             loop.call_soon_threadsafe(self._fail_all, e)
@@ -180,6 +182,8 @@ class AsyncLLM:
             outputs = engine.step()
             self._publish_metrics()
             loop.call_soon_threadsafe(self._dispatch, outputs)
+            for request_id, error in engine.take_failed().items():  # failed alone; the engine goes on
+                loop.call_soon_threadsafe(self._fail_one, request_id, error)
 
     def _apply_commands(self, engine: LLMEngine) -> None:
         while True:

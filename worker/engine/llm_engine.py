@@ -30,6 +30,14 @@ from kvscale.worker.spec_decode.ngram_proposer import NgramProposer
 
 logger = logging.getLogger(__name__)
 
+# A step that fails as a whole (forward, sampler) fails the requests in it and the engine goes on;
+# this many in a row means the engine itself is broken (e.g. a sticky CUDA error): raise, die.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class RequestFailedError(RuntimeError):
+    """A step failed for this request (the engine goes on serving the others); __cause__ says why."""
+
 
 def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from generation_config.json (which may list several), the config and the tokenizer."""
@@ -100,6 +108,8 @@ class LLMEngine:
         self._stats = IterationStats()
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+        self._failed: dict[str, RequestFailedError] = {}
+        self._consecutive_failed_steps = 0
 
     def _make_spec_decoder(self, args: EngineArgs) -> SpeculativeDecoder:
         runner = self.runner
@@ -231,20 +241,59 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty():
             return []
-        if self.spec_decoder is not None:
-            self.spec_decoder.propose(scheduled)
-        result = self.runner.execute_model(scheduled)
-        if self.spec_decoder is not None:
-            self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
-        updated = self.scheduler.update_from_output(
-            scheduled, result.sampled_token_ids, logprobs=result.logprobs
-        )
+        try:
+            if self.spec_decoder is not None:
+                self.spec_decoder.propose(scheduled)
+            result = self.runner.execute_model(scheduled)
+            if self.spec_decoder is not None:
+                self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
+            updated = self.scheduler.update_from_output(
+                scheduled, result.sampled_token_ids, logprobs=result.logprobs
+            )
+        except Exception as e:
+            self._consecutive_failed_steps += 1
+            if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise
+            logger.exception("step failed: failing the %d requests in it", len(scheduled.requests))
+            for request in scheduled.requests:
+                self._fail(self._child_to_parent.get(request.request_id), e)
+            return []
+        self._consecutive_failed_steps = 0
         touched: dict[str, ParentRequest] = {}
         for request in updated:
-            parent = self._parents[self._child_to_parent[request.request_id]]
-            self._detokenize(parent, request)
+            parent = self._parents.get(self._child_to_parent.get(request.request_id, ""))
+            if parent is None:  # failed earlier in this step (another of its sequences)
+                continue
+            try:
+                self._detokenize(parent, request)
+            except Exception as e:  # this request's own bookkeeping: fail it alone
+                logger.exception("request %s failed", parent.request_id)
+                self._fail(parent.request_id, e)
+                touched.pop(parent.request_id, None)
+                continue
             touched[parent.request_id] = parent
-        return [self._make_output(p) for p in touched.values()]
+        outputs = []
+        for parent in touched.values():
+            try:
+                outputs.append(self._make_output(parent))
+            except Exception as e:
+                logger.exception("request %s failed", parent.request_id)
+                self._fail(parent.request_id, e)
+        return outputs
+
+    def _fail(self, request_id: str | None, error: Exception) -> None:
+        """Abort a request (freeing its blocks) and keep the error for take_failed()."""
+        if request_id is None or request_id not in self._parents:
+            return
+        self.abort_request(request_id)
+        failed = RequestFailedError(f"the engine failed while running this request: {error!r}")
+        failed.__cause__ = error
+        self._failed[request_id] = failed
+
+    def take_failed(self) -> dict[str, RequestFailedError]:
+        """Requests the steps since the last call failed (already aborted), by request id."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def take_stats(self) -> IterationStats:
         """What happened since the last call (steps and aborts), for the metrics."""

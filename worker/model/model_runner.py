@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvscale.worker.config import EngineArgs
+from kvscale.worker.config import EngineArgs, fit_max_model_len
 from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.core.scheduler import SchedulerOutput
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
@@ -79,6 +79,9 @@ class ModelRunner:
             else None
         )
         self.num_blocks = self._size_kv_cache(args)
+        self.max_model_len = fit_max_model_len(
+            self.max_model_len, self.num_blocks, self.block_size, explicit=args.max_model_len is not None
+        )
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.draft is not None:
             self.draft.allocate_kv_cache(self.num_blocks)

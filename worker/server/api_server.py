@@ -22,6 +22,7 @@ from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.async_llm import AsyncLLM
 from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
 from kvscale.worker.server.protocol import APIError
+from kvscale.worker.server.request_body import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,25 @@ def api_key_matches(authorization: str, api_key: str) -> bool:
     return hmac.compare_digest(authorization.encode("utf-8", "surrogatepass"), expected)
 
 
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (unknown path, wrong method) in the OpenAI shape too, on every path."""
+    allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+    message = f"{e.reason}: {request.method} {request.path}"
+    return _error(APIError(e.status, message, code=code, headers=allow))
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler):
     """Auth, admission (loading / draining) and the OpenAI error shape for everything under /v1."""
     state: ServerState = request.app["state"]
     if not request.path.startswith("/v1/"):
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _http_error(request, e)
     key = state.config.api_key
     if key is not None and not api_key_matches(request.headers.get("Authorization", ""), key):
         return _error(APIError(401, "Incorrect or missing API key.", code="invalid_api_key"))
@@ -102,9 +116,7 @@ async def api_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        # aiohttp's own errors (unknown route, wrong method, body too large) in the OpenAI shape too
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return _error(APIError(e.status, f"{e.reason}: {request.method} {request.path}", headers=allow))
+        return _http_error(request, e)
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client left; its engine request is already aborted
     except Exception:
@@ -157,7 +169,7 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
     serving = OpenAIServing(llm, ServingConfig(model_name, engine_args.model, config.max_queued_requests))
     state = ServerState(llm, serving, config, model_name)
     state.idle.set()
-    app = web.Application(middlewares=[api_middleware], client_max_size=16 * 2**20)
+    app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
     app["state"] = state
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -197,6 +209,8 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         await runner.cleanup()
         return 1
     if load.done():
+        # Scans the vocabulary (128k entries for Llama 3): once, and off the event loop.
+        await loop.run_in_executor(None, lambda: state.serving.max_prompt_bytes)
         logger.info("ready", extra={"model": model_name, "kv_blocks": llm.engine.kv_cache_manager.num_blocks})
         await stopper
 

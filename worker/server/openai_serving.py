@@ -19,13 +19,14 @@ from itertools import accumulate
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
+from kvscale.worker.engine.llm_engine import RequestFailedError
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput
 from kvscale.worker.sample.sampling_params import SamplingParams
-from kvscale.worker.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvscale.worker.server.protocol import MAX_PROMPTS, APIError, ChatCompletionRequest, CompletionRequest
+from kvscale.worker.server.request_body import body_limits, longest_token_bytes, parse_body
 
 logger = logging.getLogger("kvscale.worker.requests")
 
@@ -99,28 +100,6 @@ def _bad_request(message: str, param: str | None = None, code: str | None = None
     return APIError(400, message, param=param, code=code)
 
 
-async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
-    try:
-        payload = await request.json(loads=json.loads)
-    except web.RequestPayloadError as e:  # e.g. a body that does not match its Content-Encoding
-        raise _bad_request(f"the request body cannot be read: {e}") from None
-    except web.HTTPClientError as e:  # aiohttp's own refusal, e.g. 413 for a body over client_max_size
-        raise APIError(e.status, e.text or e.reason) from None
-    except LookupError as e:  # an unknown charset in Content-Type
-        raise _bad_request(f"the request body's charset is unknown: {e}") from None
-    except (ValueError, RecursionError) as e:  # also: not UTF-8, an int over 4300 digits, nested too deep
-        raise _bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(payload, dict):
-        raise _bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        raise _bad_request(f"{param}: {message}" if param else message, param=param) from None
-
-
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, config: ServingConfig) -> None:
         self.llm = llm
@@ -128,6 +107,7 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
         self._decoder_kinds: set[str] | None = None
+        self._longest_token_bytes: int | None = None
 
     @property
     def tokenizer(self):
@@ -138,6 +118,17 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         assert self.llm.engine is not None
         return self.llm.engine.max_model_len
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """A prompt of more UTF-8 bytes than this cannot fit max_model_len tokens: refused untokenized.
+        (The server computes it off the event loop once the model is loaded.)"""
+        if self._longest_token_bytes is None:
+            self._longest_token_bytes = longest_token_bytes(self.tokenizer)
+        return self.max_model_len * self._longest_token_bytes
+
+    def body_limits(self, num_prompts: int) -> tuple[int, int]:
+        return body_limits(num_prompts, self.max_prompt_bytes, self.max_model_len)
 
     # -- shared checks -------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -165,7 +156,11 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            return max(1, limit - prompt_len)
+            # Up to the context limit, clipped to what the whole KV pool holds: never refused for a
+            # worst case nobody asked for (start-up keeps max_model_len within the pool too).
+            engine = self.llm.engine
+            pool = engine.kv_cache_manager.num_blocks * engine.args.block_size
+            return max(1, min(limit, pool) - prompt_len)
         if prompt_len + max_tokens > limit:
             raise _bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -182,13 +177,24 @@ class OpenAIServing:
         except ValueError as e:
             raise _bad_request(str(e)) from None
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def check_prompt_size(self, size: int, param: str) -> None:
+        """Refuse a prompt that cannot fit before tokenizing it. `size` is its length in characters
+        (a lower bound on its bytes, known in O(1)) or in UTF-8 bytes."""
+        if size > self.max_prompt_bytes:
+            limit = self.max_model_len
+            raise _bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your request's "
+                f"{param} has {size} characters or bytes, more than {limit} tokens can hold. Please "
+                "reduce the length of the input.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt; text is tokenized off the event loop (a long prompt takes seconds)."""
         if isinstance(prompt, str):
-            try:
-                prompt.encode()
-            except UnicodeEncodeError as e:  # a lone surrogate: JSON can carry "\ud800"
-                raise _bad_request(f"prompt is not valid Unicode: {e}", param="prompt") from None
-            ids = self.tokenizer.encode(prompt)
+            self.check_prompt_size(len(prompt), "prompt")
+            ids = await asyncio.get_running_loop().run_in_executor(None, self._encode_text, prompt)
         else:
             vocab = self.llm.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
@@ -197,6 +203,25 @@ class OpenAIServing:
         if not ids:
             raise _bad_request("prompt must not be empty", param="prompt")
         return ids
+
+    def _encode_text(self, prompt: str) -> list[int]:
+        try:
+            size = len(prompt.encode())
+        except UnicodeEncodeError as e:  # a lone surrogate: JSON can carry "\ud800"
+            raise _bad_request(f"prompt is not valid Unicode: {e}", param="prompt") from None
+        self.check_prompt_size(size, "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise _bad_request(
+                f"the chat template cannot render these messages: {e}", param="messages"
+            ) from None
+        return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -252,9 +277,9 @@ class OpenAIServing:
 
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        body: CompletionRequest = await parse_body(request, CompletionRequest, self.body_limits(MAX_PROMPTS))
         self.check_model(body.model)
-        prompts = [self.encode(p) for p in body.prompts()]
+        prompts = [await self.encode(p) for p in body.prompts()]
         params = [
             self.make_params(
                 lambda p=p: body.sampling_params(
@@ -266,7 +291,13 @@ class OpenAIServing:
         self.check_capacity(len(prompts) * body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        echo_text = [self.tokenizer.decode(p, skip_special_tokens=True) if body.echo else "" for p in prompts]
+        loop = asyncio.get_running_loop()
+        echo_text = [
+            await loop.run_in_executor(None, lambda p=p: self.tokenizer.decode(p, skip_special_tokens=True))
+            if body.echo
+            else ""
+            for p in prompts
+        ]
 
         def choice(i: int, c: CompletionOutput, text: str, token_start: int) -> dict[str, Any]:
             logprobs = None
@@ -321,18 +352,14 @@ class OpenAIServing:
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.body_limits(1))
         self.check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
-            )
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise _bad_request(
-                f"the chat template cannot render these messages: {e}", param="messages"
-            ) from None
-        prompt = list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+        self.check_prompt_size(sum(len(m["content"]) for m in messages), "messages")
+        # Templating (Python) and tokenizing run off the event loop.
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            None, self._render_chat, messages, body.add_generation_prompt
+        )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
         self.check_capacity(body.n)
@@ -399,6 +426,8 @@ class OpenAIServing:
                     finals[i] = out
         except EngineDeadError as e:
             raise APIError(500, str(e), type="server_error", code="engine_dead") from None
+        except RequestFailedError as e:  # this request alone; the others go on
+            raise APIError(500, str(e), type="server_error", code="request_failed") from None
         except ValueError as e:  # the engine refused the request (it can never run)
             raise _bad_request(str(e)) from None
         return finals  # type: ignore[return-value]
@@ -459,6 +488,12 @@ class OpenAIServing:
                     finals[i] = out
         except EngineDeadError as e:
             await send(APIError(500, str(e), type="server_error", code="engine_dead").body())
+            return response
+        except RequestFailedError as e:
+            error = APIError(500, str(e), type="server_error", code="request_failed")
+            if not response.prepared:
+                raise error from None
+            await send(error.body())
             return response
         except ValueError as e:  # the engine refused the request before any output
             if response.prepared:

@@ -1,9 +1,13 @@
 """OpenAI request models (pydantic) and the error shape.
 
-Fields OpenAI defines and we support are validated here; fields it defines that we do not
-support are refused with a 400 naming them (never silently ignored); fields nobody defines are
-ignored, as OpenAI-compatible servers do, so clients that send extras keep working. vLLM's
+Fields OpenAI defines and we support are validated here, as strictly typed as OpenAI's own
+(`"max_tokens": "5"` or `"stream": "yes"` is a 400, not coerced); fields it defines that we do
+not support are refused with a 400 naming them (never silently ignored); fields nobody defines
+are ignored, as OpenAI-compatible servers do, so clients that send extras keep working. vLLM's
 extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted too.
+
+Every list a request may carry is bounded (the LIMITS below, documented in docs/server.md), so
+no single request can make a step, or its own validation, cost more than a bounded amount.
 """
 
 from __future__ import annotations
@@ -35,19 +39,52 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Bounds on the work one request may ask for (docs/server.md has the table). The prompt itself is
+# bounded by max_model_len, and its bytes before tokenization by max_model_len x the longest token.
+MAX_N = 16  # sequences per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_MESSAGES = 1024  # messages in one chat request
+MAX_CONTENT_PARTS = 64  # text parts in one message
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 64  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # logprobs (completions) / top_logprobs (chat)
+
+# OpenAI-defined fields that ask for something we do not do: refused unless absent, null, or the
+# value that means what we do anyway.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "functions": ([],),
+    "function_call": ("none",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "prediction": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # strict: no coercion ("5" is not 5, "yes" not true, true not 1); ints still pass as floats.
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -62,7 +99,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
@@ -74,6 +111,17 @@ class _SamplingFields(BaseModel):
     def _no_logit_bias(cls, v):
         if v:
             raise ValueError("not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v):
+        # Each step checks every stop string against the text's tail: bound both count and length.
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("stream_options")
@@ -115,7 +163,7 @@ class CompletionRequest(_SamplingFields):
     # Strict ints: JSON true/false must not pass as token ids 1/0.
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -125,6 +173,8 @@ class CompletionRequest(_SamplingFields):
     def _prompt_not_empty(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("must not be empty")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(v)}")
         return v
 
     @field_validator("best_of")
@@ -152,16 +202,50 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Only an assistant message may leave its content out or null (OpenAI's rule); validate_default
+    # so that a missing content is checked too.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    # Tool and function calling are not implemented: a conversation that carries them is refused,
+    # not rendered without them.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_role(cls, v):
+        if v == "tool":
+            raise ValueError("tool messages answer tool calls, which are not supported")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"must not be null in a {info.data['role']} message")
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts are allowed, got {len(v)}")
+        return v
+
+    @field_validator("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+    @classmethod
+    def _no_tool_fields(cls, v):
+        if v is not None:
+            raise ValueError("not supported")
+        return v
 
     def text(self) -> str:
         if self.content is None:
@@ -172,20 +256,33 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
     add_generation_prompt: bool = True
+    # OpenAI's, not implemented (see _NO_OP_VALUES)
+    functions: Any = None
+    function_call: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    service_tier: Any = None
 
-    @field_validator("tools")
+    @field_validator(*_NO_OP_VALUES)
     @classmethod
-    def _no_tools(cls, v):
-        if v:
+    def _refuse_unsupported(cls, v, info: ValidationInfo):
+        no_ops = _NO_OP_VALUES[info.field_name]
+        if v is not None and not any(v == ok and type(v) is type(ok) for ok in no_ops):
             raise ValueError("not supported")
         return v
 
