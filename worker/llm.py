@@ -20,6 +20,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation_config.json sampling defaults (vLLM's name). Fields a request's
+        own SamplingParams leave unset take these values anyway."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -21,7 +21,7 @@ from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import RequestOutput, completion_output
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
-from kvscale.worker.model.loader import load_tokenizer
+from kvscale.worker.model.loader import load_generation_defaults, load_tokenizer
 from kvscale.worker.model.model_runner import ModelRunner
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
@@ -92,6 +92,8 @@ class LLMEngine:
         self.runner = ModelRunner(args, load_draft)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
+        # What generation_config.json sets; fills the sampling fields a request leaves unset.
+        self.default_sampling_params = load_generation_defaults(args.model)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
         self.kv_cache_manager = KVCacheManager(
@@ -149,7 +151,7 @@ class LLMEngine:
     ) -> ParentRequest:
         """Tokenize and validate a request without queueing it (raises ValueError when it can never
         run). Touches no scheduler state, so the server calls it from its own thread."""
-        params = params or SamplingParams()
+        params = (params or SamplingParams()).with_defaults(self.default_sampling_params)
         if request_id is None:  # skip ids the caller chose for earlier requests
             request_id = str(next(self._ids))
             while request_id in self._parents or request_id in self.scheduler.requests:

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from kvscale.worker.model.llama import LlamaForCausalLM
+from kvscale.worker.sample.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,23 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def load_generation_defaults(model_path: str) -> dict[str, float]:
+    """The sampling defaults the model's generation_config.json sets, as vLLM's
+    `--generation-config auto` reads them: only the keys the file names (transformers' own
+    defaults, such as its top_k of 50, are not the model's), `do_sample` ignored. Validated here,
+    so that a bad file refuses the model rather than every request."""
+    path = Path(model_path, "generation_config.json")
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    defaults = {name: saved[name] for name in GENERATION_CONFIG_FIELDS if saved.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: unusable sampling default: {e}") from None
+    return defaults
+
+
 def _safetensors_files(model_path: str) -> list[Path]:
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
@@ -56,35 +74,35 @@ def _safetensors_files(model_path: str) -> list[Path]:
 
 
 def load_model(model_path: str, hf_config, max_position: int, device: torch.device, dtype: torch.dtype):
-    """Build the decoder on the meta device, then fill every parameter from the checkpoint."""
+    """Build the decoder on the meta device, allocate its parameters at the serving dtype, then fill
+    them tensor by tensor from the checkpoint. Each checkpoint tensor is read into host memory on
+    its own and cast there, so neither the device nor the host ever holds more than the served
+    weights plus one checkpoint tensor (a float32 checkpoint served in bfloat16 is never
+    materialised in float32, in full or on the device)."""
     started = time.monotonic()
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_position)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model.tie_weights()
+    _allocate_parameters(model, device, dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _safetensors_files(model_path)
     total_bytes, done_bytes, next_report = sum(p.stat().st_size for p in files), 0, 0.1
-    for n, path in enumerate(files, 1):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensor = f.get_tensor(name)
-                target = _load_one(model, params, name, tensor)
-                if target:
-                    loaded.add(target)
-                done_bytes += tensor.numel() * tensor.element_size()
-                if done_bytes >= next_report * total_bytes:  # progress every 10% for big checkpoints
-                    logger.info(
-                        "loading weights: %d%% (file %d/%d, %s)",
-                        100 * done_bytes // total_bytes,
-                        n,
-                        len(files),
-                        path.name,
-                    )
-                    next_report = (int(10 * done_bytes / total_bytes) + 1) / 10
+    for n, name, tensor in iter_safetensors(files):
+        target = _load_one(model, params, name, tensor)
+        if target:
+            loaded.add(target)
+        done_bytes += tensor.numel() * tensor.element_size()
+        if done_bytes >= next_report * total_bytes:  # progress every 10% for big checkpoints
+            logger.info(
+                "loading weights: %d%% (file %d/%d, %s)",
+                100 * done_bytes // total_bytes,
+                n + 1,
+                len(files),
+                files[n].name,
+            )
+            next_report = (int(10 * done_bytes / total_bytes) + 1) / 10
 
-    model.tie_weights()
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights for: {', '.join(missing[:8])}")
@@ -92,6 +110,67 @@ def load_model(model_path: str, hf_config, max_position: int, device: torch.devi
     model.eval()
     logger.info("model loaded in %.1fs (%s, %s)", time.monotonic() - started, device, dtype)
     return model
+
+
+def _allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace every meta parameter by an uninitialised one of the serving dtype on the device
+    (`to_empty` would allocate the default dtype first, and untie tied weights)."""
+    allocated: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in allocated:
+                empty = torch.empty(param.shape, dtype=dtype, device=device)
+                allocated[id(param)] = torch.nn.Parameter(empty, requires_grad=False)
+            setattr(module, name, allocated[id(param)])
+
+
+# https://huggingface.co/docs/safetensors/index#format: an 8-byte little-endian header length, a
+# JSON header (name -> dtype, shape, [begin, end) byte offsets after the header), the raw data.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, name -> {dtype, shape, data_offsets}) of a .safetensors file."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+    return 8 + header_len, header
+
+
+def iter_safetensors(files: list[Path]):
+    """(file index, name, CPU tensor) for every tensor of the files, in file order. Plain reads into
+    one staging buffer sized for the largest tensor: unlike a memory map, the files' pages never
+    count as this process' memory, and one buffer reused throughout leaves nothing behind. Each
+    tensor is a view of that buffer, valid until the next one is read: copy it out first."""
+    headers = [read_safetensors_header(path) for path in files]
+    largest = max(
+        (end - begin for _, h in headers for begin, end in (i["data_offsets"] for i in h.values())), default=0
+    )
+    staging = torch.empty(largest, dtype=torch.uint8)
+    for n, (path, (data_start, header)) in enumerate(zip(files, headers, strict=True)):
+        with open(path, "rb") as f:
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = info["data_offsets"]
+                raw = staging[: end - begin]
+                f.seek(data_start + begin)
+                if end > begin and f.readinto(raw.numpy()) != end - begin:
+                    raise ValueError(f"{path.name}: tensor {name!r} is truncated")
+                yield n, name, raw.view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
 
 
 FUSED_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
@@ -130,7 +209,9 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)
+    if dst.device != src.device:
+        src = src.to(dst.dtype)  # cast on the host: the device never sees a wider dtype
+    dst.copy_(src)  # on the host, copy_ casts in place
 
 
 def _shard_range(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from kvscale.worker.model.kv_cache import (
     free_memory_bytes,
     num_blocks_for,
 )
+from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
 from kvscale.worker.sample.sampler import Sampler, SamplingMetadata
@@ -42,11 +43,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_max_model_len(requested: int | None, hf_config) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    """The model length: as asked, or by default the longest the RoPE configuration supports
+    (rope.max_rope_positions). Longer than that is refused: positions past it run, but the model
+    was never made for them and its outputs are silently wrong."""
+    limit, reason = max_rope_positions(hf_config)
     if requested is None:
         if limit is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
         return limit
+    if limit is not None and requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds what the model's RoPE supports: {limit} ({reason})"
+        )
     return requested
 
 

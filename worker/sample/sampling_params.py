@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE = 1e-5
+
+# The fields a model's generation_config.json may default (vLLM's `--generation-config auto` set,
+# less max_new_tokens), with the values they take when neither the request nor the model sets them.
+GENERATION_CONFIG_FIELDS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass
@@ -21,16 +33,20 @@ class SamplingParams:
     is a function of the seed and the position), provided the model's logits are the same; the
     kernels are not batch-invariant, so in rare cases floating point can flip a token
     (docs/engine.md). With n > 1, sequence i uses seed + i.
+
+    temperature, top_p, top_k, min_p and repetition_penalty left unset (None) take the model's
+    generation_config.json values when the engine receives the request (`with_defaults`), else
+    the neutral values of GENERATION_CONFIG_FIELDS; until then they read as the neutral values.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -45,8 +61,16 @@ class SamplingParams:
     # only requests carrying the same salt can share cached KV. Not a sampling parameter, but it
     # travels with one request like them. None: the shared, unsalted cache.
     cache_salt: str | None = None
+    # The GENERATION_CONFIG_FIELDS the caller left unset; None: find out from the None values.
+    # dataclasses.replace carries it, and a field replaced by a non-neutral value counts as set.
+    unset_fields: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.unset_fields is None:
+            self.unset_fields = frozenset(k for k in GENERATION_CONFIG_FIELDS if getattr(self, k) is None)
+        for name, neutral in GENERATION_CONFIG_FIELDS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, neutral)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -110,6 +134,18 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def with_defaults(self, defaults: Mapping[str, float]) -> SamplingParams:
+        """These parameters with each unset field taken from `defaults` (a model's
+        generation_config.json values, GENERATION_CONFIG_FIELDS names only)."""
+        fill = {
+            name: value
+            for name, value in defaults.items()
+            if name in self.unset_fields and getattr(self, name) == GENERATION_CONFIG_FIELDS[name]
+        }
+        if not fill:
+            return self
+        return dataclasses.replace(self, **fill, unset_fields=self.unset_fields - fill.keys())
 
     @property
     def is_greedy(self) -> bool:
