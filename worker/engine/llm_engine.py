@@ -2,7 +2,9 @@
 
 Synchronous and network-free: the offline API drives it directly and the server runs it from
 its own loop. A request with n > 1 fans out into n sequences that share the prompt (and, through
-the prefix cache, its KV blocks); their outputs are gathered under the parent's id.
+the prefix cache, its KV blocks); their outputs are gathered under the parent's id. Each step
+hands back deltas (only what is new), so a step's cost does not grow with how much a request has
+generated; RequestOutputAccumulator rebuilds whole outputs (LLM.generate uses it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
-from kvscale.worker.engine.outputs import RequestOutput, completion_output
+from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.loader import load_tokenizer
 from kvscale.worker.model.model_runner import ModelRunner
@@ -67,7 +69,9 @@ class ParentRequest:
     prompt: str | None
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
-    num_fed: list[int] = field(default_factory=list)  # tokens already given to each detokenizer
+    # Output tokens already given to each child's detokenizer, which are also those already handed
+    # out in a delta.
+    num_fed: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -238,12 +242,19 @@ class LLMEngine:
             self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
         updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
         self._record_logprobs(scheduled, result.logprobs)
-        touched: dict[str, ParentRequest] = {}
+        touched: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
         for request in updated:
             parent = self._parents[self._child_to_parent[request.request_id]]
-            self._detokenize(parent, request)
-            touched[parent.request_id] = parent
-        return [self._make_output(p) for p in touched.values()]
+            i = parent.children.index(request)
+            seen = parent.num_fed[i]
+            self._detokenize(parent, i, request)
+            # Text is what is safe to stream: a tail that may still become a stop string is held
+            # back until it is known not to be one, so streamed text never has to be taken back.
+            text = parent.detokenizers[i].get_next_output_text(finished=request.is_finished, delta=True)
+            touched.setdefault(parent.request_id, (parent, []))[1].append(
+                completion_delta(i, request, text, seen)
+            )
+        return [self._make_output(parent, deltas) for parent, deltas in touched.values()]
 
     def take_stats(self) -> IterationStats:
         """What happened since the last call (steps and aborts), for the metrics."""
@@ -260,8 +271,7 @@ class LLMEngine:
             if lps and request.logprobs is not None:
                 request.logprobs.extend(lps)
 
-    def _detokenize(self, parent: ParentRequest, request: Request) -> None:
-        i = parent.children.index(request)
+    def _detokenize(self, parent: ParentRequest, i: int, request: Request) -> None:
         detok = parent.detokenizers[i]
         seen = parent.num_fed[i]
         new_ids = request.output_token_ids[seen:]
@@ -302,13 +312,9 @@ class LLMEngine:
             stats.time_to_first_tokens.append(times[0] - request.arrival_time)
         stats.inter_token_latencies.extend(times[j] - times[j - 1] for j in range(max(seen, 1), len(times)))
 
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
-        # Text is what is safe to stream: a tail that may still become a stop string is held back
-        # until it is known not to be one, so streamed text never has to be taken back.
-        outputs = [
-            completion_output(i, child, detok.get_next_output_text(finished=child.is_finished, delta=False))
-            for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))
-        ]
+    def _make_output(self, parent: ParentRequest, deltas: list[CompletionOutput]) -> RequestOutput:
+        """The step's delta of one request: its sequences that advanced, each with only its new
+        tokens and text."""
         finished = all(c.is_finished for c in parent.children)
         if finished:
             del self._parents[parent.request_id]
@@ -319,7 +325,7 @@ class LLMEngine:
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
+            outputs=sorted(deltas, key=lambda c: c.index),
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
         )
