@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.bench.workload import code_workload
 from kvscale.worker.testing.tiny_model import build_tiny_model
@@ -149,6 +151,8 @@ def run_config(name: str, target: str, draft: str, args, prompts: list[list[int]
 
 
 def run(args) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="kvscale-longout-") as tmp:
         target, draft = build_models(Path(tmp), args.model, args.prompt_len + args.long_len + 64)
         tokenizer = LLM(target, num_kv_blocks=4, device="cpu").get_tokenizer()
@@ -160,6 +164,7 @@ def run(args) -> dict[str, Any]:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "window": args.window,
+        "torch_threads": torch.get_num_threads(),
         "goal_long_vs_short_overhead_max": GOAL_RATIO,
         "configs": configs,
     }
@@ -178,5 +183,12 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--window", type=int, default=256, help="long run: the last this many output positions")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--configs", default="plain,ngram", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); on a shared CPU a multi-threaded small op waits "
+        "for a descheduled thread, which swamps the overhead being measured",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
