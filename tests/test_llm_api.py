@@ -408,3 +408,42 @@ def test_bfloat16_weights_and_kv_cache(random_model_factory) -> None:
     out = llm.generate([[0, 5, 6, 7], "import os\n"], greedy(9, ignore_eos=True))
     assert [len(tokens(o)) for o in out] == [9, 9]
     assert all(o.outputs[0].finish_reason == "length" for o in out)
+
+
+# -- 8. deltas --------------------------------------------------------------------------------
+def test_step_outputs_carry_only_new_tokens_and_add_up_to_generate(llm: LLM) -> None:
+    """engine.step hands back deltas: each sequence's new tokens, logprobs, token times and text
+    only (so a step costs what it produces, not the whole output so far), and the deltas of a
+    request add up to exactly what LLM.generate returns for it."""
+    prompts = [CODE_PROMPTS[0], CODE_PROMPTS[2]]
+    params = [
+        greedy(20, logprobs=2, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, logprobs=1, stop=["\n\n"]),
+    ]
+    whole = llm.generate(prompts, params)
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    deltas: dict[tuple[str, int], list] = {}
+    finished: set[str] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in finished
+            finished |= {out.request_id} if out.finished else set()
+            for c in out.outputs:
+                assert len(c.token_ids) == 1  # one new token per decode step (no speculation)
+                assert c.logprobs is not None and len(c.logprobs) == 1
+                assert len(c.metrics.token_times) == 1
+                deltas.setdefault((out.request_id, c.index), []).append(c)
+    assert finished == set(ids)
+    for rid, out in zip(ids, whole, strict=True):
+        for c in out.outputs:
+            parts = deltas[(rid, c.index)]
+            assert [t for d in parts for t in d.token_ids] == c.token_ids
+            assert "".join(d.text for d in parts) == c.text
+            assert [lp for d in parts for lp in d.logprobs] == c.logprobs
+            assert parts[-1].finish_reason == c.finish_reason and c.finish_reason is not None
+            assert all(d.finish_reason is None for d in parts[:-1])
+            assert len(c.metrics.token_times) == len(c.token_ids)
+            assert c.metrics.first_token_time == c.metrics.token_times[0]
+            assert all(d.metrics.first_token_time == parts[0].metrics.token_times[0] for d in parts)
+    assert_engine_idle(llm)

@@ -9,13 +9,15 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvscale.worker.core.request import Request
+from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.sample.sampler import (
+    PenaltyState,
     Sampler,
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    token_counts,
 )
 from kvscale.worker.sample.sampling_params import SamplingParams
 
@@ -178,14 +180,10 @@ def test_penalties_match_reference(seed: int, data: st.DataObject) -> None:
     frequency = [data.draw(st.sampled_from([0.0, 0.3, -0.7, 2.0])) for _ in range(batch)]
     repetition = [data.draw(st.sampled_from([1.0, 1.3, 0.8, 2.0])) for _ in range(batch)]
     logits = random_logits(seed, batch, vocab)
-    width = max(len(p) for p in prompts)
-    prompt_ids = torch.tensor([p + [vocab] * (width - len(p)) for p in prompts], dtype=torch.int64).reshape(
-        batch, width
-    )
     out = apply_penalties(
         logits,
-        prompt_ids,
-        outputs,
+        token_counts(prompts, vocab, CPU) > 0,
+        token_counts(outputs, vocab, CPU),
         torch.tensor(presence),
         torch.tensor(frequency),
         torch.tensor(repetition),
@@ -207,12 +205,12 @@ def test_penalties_through_from_requests() -> None:
     reqs[0].output_token_ids = [3, 4]
     reqs[1].output_token_ids = [6, 6, 8]
     md = SamplingMetadata.from_requests(reqs, vocab, CPU)
-    assert not md.no_penalties and md.prompt_token_ids is not None
+    assert not md.no_penalties and md.prompt_mask is not None and md.output_token_counts is not None
     logits = random_logits(7, 3, vocab)
     out = apply_penalties(
         logits,
-        md.prompt_token_ids,
-        md.output_token_ids,
+        md.prompt_mask,
+        md.output_token_counts,
         md.presence_penalties,
         md.frequency_penalties,
         md.repetition_penalties,
@@ -237,7 +235,7 @@ def test_all_greedy_fast_path() -> None:
     reqs = [make_request(i, temperature=0.0) for i in range(64)]
     md = SamplingMetadata.from_requests(reqs, 50, CPU)
     assert md.all_greedy and not md.all_random and md.no_penalties
-    assert md.top_k is None and md.top_p is None and md.min_p is None and md.prompt_token_ids is None
+    assert md.top_k is None and md.top_p is None and md.min_p is None and md.prompt_mask is None
     assert md.max_num_logprobs is None and not md.noise_seeds and not md.min_tokens
     logits = random_logits(1, 64, 50).to(torch.bfloat16)
     out = Sampler()(logits, md)
@@ -406,3 +404,56 @@ def test_logprobs_larger_than_vocab_and_empty_batch() -> None:
     md = SamplingMetadata.from_requests([], 4, CPU)
     out = Sampler()(torch.empty(0, 4), md)
     assert out.sampled_token_ids.shape == (0,)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_penalty_state_counts_match_recounting_every_step(data: st.DataObject) -> None:
+    """The engine's incremental device counts (new tokens only, rows reused after a request
+    finishes, recount after a truncation) equal counting each row's whole output afresh, also
+    for speculative rows that add proposed tokens on top."""
+    vocab = 9
+    state = PenaltyState(vocab, CPU)
+    live: list[Request] = []
+    for step in range(data.draw(st.integers(1, 12))):
+        if not live or data.draw(st.booleans()):
+            live.append(
+                make_request(
+                    step,
+                    prompt=data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5)),
+                    repetition_penalty=data.draw(st.sampled_from([1.0, 1.5])),
+                    frequency_penalty=data.draw(st.sampled_from([0.0, 0.5])),
+                )
+            )
+        for req in live:
+            action = data.draw(st.sampled_from(["grow", "grow", "truncate", "finish"]))
+            if action == "grow":
+                for t in data.draw(st.lists(st.integers(0, vocab - 1), max_size=3)):
+                    req.append_output_token(t, 0.0)
+            elif action == "truncate" and req.output_token_ids:
+                req.truncate_output(len(req.output_token_ids) - 1)
+            elif action == "finish":
+                req.status = RequestStatus.FINISHED_STOPPED
+        live = [r for r in live if not r.is_finished]
+        if not live:
+            continue
+        extra = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=2)) for _ in live]
+        with_state = SamplingMetadata.from_requests(live, vocab, CPU, extra, state)
+        afresh = SamplingMetadata.from_requests(live, vocab, CPU, extra)
+        assert (with_state.output_token_counts is None) == (afresh.output_token_counts is None)
+        if afresh.output_token_counts is None:
+            continue
+        assert state.num_tracked <= len(live)  # finished requests gave their rows back
+        # Rows without a penalty may differ: their counts are never used.
+        rows = [
+            i
+            for i, r in enumerate(live)
+            if r.sampling_params.frequency_penalty or r.sampling_params.repetition_penalty != 1.0
+        ]
+        assert torch.equal(with_state.output_token_counts[rows], afresh.output_token_counts[rows])
+        want = [[*live[i].output_token_ids, *extra[i]] for i in rows]
+        assert torch.equal(afresh.output_token_counts[rows], token_counts(want, vocab, CPU))
+        if afresh.prompt_mask is not None:
+            assert with_state.prompt_mask is not None
+            rep = [i for i in rows if live[i].sampling_params.repetition_penalty != 1.0]
+            assert torch.equal(with_state.prompt_mask[rep], afresh.prompt_mask[rep])

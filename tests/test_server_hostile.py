@@ -365,10 +365,10 @@ def faulty_detokenizer(monkeypatch):
     """Detokenizing raises for the request with seed FAULTY_SEED once it has 3 tokens."""
     real = LLMEngine._detokenize
 
-    def detokenize(self, parent, request):
+    def detokenize(self, parent, i, request):
         if request.sampling_params.seed == FAULTY_SEED and request.num_output_tokens >= 3:
             raise RuntimeError("injected detokenizer fault")
-        return real(self, parent, request)
+        return real(self, parent, i, request)
 
     monkeypatch.setattr(LLMEngine, "_detokenize", detokenize)
 

@@ -229,6 +229,66 @@ def test_chat_stream_without_include_usage_has_no_usage_chunk(client, model):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def _stream_choices(chunks: list) -> dict[int, list]:
+    by_index: dict[int, list] = {}
+    for c in chunks:
+        for ch in c.choices:
+            by_index.setdefault(ch.index, []).append(ch)
+    return by_index
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_stream_text_and_logprobs_equal_non_streamed(client, model, echo):
+    """The stream's deltas (text, tokens, logprobs, running text_offset) add up to the plain
+    response, for several prompts and n > 1, with a stop string that holds text back."""
+    args = dict(
+        model=model,
+        prompt=[PROMPT, "import os\n"],
+        max_tokens=24,
+        temperature=0.8,
+        seed=11,
+        n=2,
+        logprobs=2,
+        stop=["\n\n"],
+        echo=echo,
+    )
+    full = client.completions.create(**args)
+    streamed = _stream_choices(stream_completion(client, **args))
+    assert sorted(streamed) == [c.index for c in full.choices] == [0, 1, 2, 3]
+    for want in full.choices:
+        parts = streamed[want.index]
+        assert "".join(p.text for p in parts) == want.text
+        assert parts[-1].finish_reason == want.finish_reason
+        got = [p.logprobs for p in parts if p.logprobs is not None]
+        lp = want.logprobs
+        assert [t for g in got for t in g.tokens] == lp.tokens
+        assert [t for g in got for t in g.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+        assert [t for g in got for t in g.text_offset] == lp.text_offset
+        assert [sorted(t) for g in got for t in g.top_logprobs] == [sorted(t) for t in lp.top_logprobs]
+
+
+def test_chat_stream_text_and_logprobs_equal_non_streamed(client, model):
+    args = dict(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0.8,
+        seed=5,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    full = client.chat.completions.create(**args)
+    streamed = _stream_choices(stream_chat(client, **args))
+    for want in full.choices:
+        parts = streamed[want.index]
+        assert "".join(p.delta.content or "" for p in parts) == want.message.content
+        got = [t for p in parts if p.logprobs is not None for t in p.logprobs.content]
+        assert [t.token for t in got] == [t.token for t in want.logprobs.content]
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want.logprobs.content], abs=1e-4)
+        assert [t.bytes for t in got] == [t.bytes for t in want.logprobs.content]
+
+
 @pytest.mark.parametrize(
     ("path", "payload"),
     [

@@ -4,13 +4,15 @@ the engine builds: mixed batches, chunked prefill, prefix-cache hits, forced pre
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_fixtures import DRAFT, TARGET
 
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.bench.workload import code_workload
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.model.loader import load_tokenizer
-from kvscale.worker.spec_decode.ngram_proposer import ngram_propose
+from kvscale.worker.spec_decode.ngram_proposer import NgramIndex, ngram_propose
 
 pytestmark = pytest.mark.skipif(not (TARGET.is_dir() and DRAFT.is_dir()), reason="model pair missing")
 
@@ -216,3 +218,53 @@ def test_server_flags_and_metrics(tmp_path):
         assert sum(per_pos) == samples[("kvscale_spec_decode_accepted_tokens_total", None)]
     finally:
         assert server.stop() == 0, server.log()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=20),
+    k=st.integers(1, 5),
+)
+def test_ngram_index_proposes_what_a_full_scan_does(tokens, cuts, k):
+    """The incremental index (extended with the new tokens at each step, rebuilt if the sequence
+    shrinks) proposes exactly what scanning the whole history does."""
+    index = NgramIndex(max_n=4, min_n=2)
+    end = 0
+    for cut in cuts:
+        end = min(len(tokens), end + cut)
+        assert index.propose(tokens[:end], k) == ngram_propose(tokens[:end], k, max_n=4, min_n=2)
+    shorter = tokens[: max(1, end // 2)]
+    assert index.propose(shorter, k) == ngram_propose(shorter, k, max_n=4, min_n=2)
+
+
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+
+
+def test_greedy_with_penalties_matches_recounting_with_and_without_speculation(prompts):
+    """Penalties from the engine's incremental device counts give the tokens that recounting every
+    request's whole output each step gives (the engine's former way), with speculation on too
+    (the verifier's and the draft's rows count the proposals before them)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, **PENALTIES)] * 4
+
+    def run(recount: bool, **spec) -> list[list[int]]:
+        llm = LLM(str(TARGET), num_kv_blocks=512, **spec)
+        runner = llm.engine.runner
+        if recount:  # no state: SamplingMetadata counts each row's output list afresh
+            runner.penalty_state = None
+            if runner.draft is not None:
+                runner.draft.penalty_state = None
+        return [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+
+    reference = run(recount=True)
+    assert run(recount=False) == reference
+    spec = dict(num_speculative_tokens=4, speculative_adaptive=False)
+    for method in sorted(PROPOSERS):
+        assert run(recount=False, **PROPOSERS[method], **spec) == reference
+    sampled = [SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True, **PENALTIES)]
+    draft = dict(**PROPOSERS["draft"], **spec)
+    a = LLM(str(TARGET), num_kv_blocks=512, **draft).generate(prompts[:1], sampled)
+    llm = LLM(str(TARGET), num_kv_blocks=512, **draft)
+    llm.engine.runner.penalty_state = llm.engine.runner.draft.penalty_state = None
+    b = llm.generate(prompts[:1], sampled)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
-from kvscale.worker.engine.outputs import RequestOutput
+from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -48,10 +48,19 @@ class LLM:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p))
             ours = set(ids)  # the engine may also be running requests added through it directly
+            # The engine's outputs are deltas; whole outputs are gathered here.
+            running: dict[str, RequestOutputAccumulator] = {}
             while len(finished) < len(ids):
                 for out in engine.step():
-                    if out.finished and out.request_id in ours:
-                        finished[out.request_id] = out
+                    if out.request_id not in ours:
+                        continue
+                    acc = running.get(out.request_id)
+                    if acc is None:
+                        acc = running[out.request_id] = RequestOutputAccumulator(out)
+                    else:
+                        acc.add(out)
+                    if out.finished:
+                        finished[out.request_id] = running.pop(out.request_id).get()
                 failed = [e for rid, e in engine.take_failed().items() if rid in ours]
                 if failed:
                     raise failed[0]

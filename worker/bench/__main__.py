@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import serve, spec, throughput
+from kvscale.worker.bench import longout, serve, spec, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     throughput.add_parser(sub, [common])
     serve.add_parser(sub, [common])
     spec.add_parser(sub, [common])
+    longout.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

@@ -41,9 +41,8 @@ def run_batch(llm: LLM, prompts: list[list[int]], output_len: int, concurrency: 
         while pending and engine.num_unfinished_requests < concurrency:
             i, prompt = pending.pop(0)
             ids[engine.add_request(prompt, params)] = i
-        for out in engine.step():
-            if out.finished:
-                tokens[ids[out.request_id]] = out.outputs[0].token_ids
+        for out in engine.step():  # deltas: gather each request's new tokens
+            tokens.setdefault(ids[out.request_id], []).extend(out.outputs[0].token_ids)
         steps += 1
     elapsed = time.perf_counter() - start
     stats = engine.take_stats()

@@ -38,9 +38,8 @@ def run_engine(llm: LLM, workload: Workload, static_batch: int | None = None) ->
         for prompt, n in batch:
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out
+            for out in engine.step():  # deltas: count each request's new tokens
+                outputs[out.request_id] = outputs.get(out.request_id, 0) + len(out.outputs[0].token_ids)
             steps += 1
             # KV utilisation: tokens whose K/V is stored over the slots of the blocks held.
             blocks = kv.block_pool.num_used_blocks
@@ -49,7 +48,7 @@ def run_engine(llm: LLM, workload: Workload, static_batch: int | None = None) ->
             if len(sched.running) > peak_seqs:
                 peak_seqs, peak_blocks = len(sched.running), blocks
     elapsed = time.perf_counter() - start
-    lens = [len(o.outputs[0].token_ids) for o in outputs.values()]
+    lens = list(outputs.values())
     assert sorted(lens) == sorted(workload.output_lens), "an output length differs from the requested one"
     max_len = engine.max_model_len
     return {

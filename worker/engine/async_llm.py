@@ -3,8 +3,9 @@
 The engine runs in its own thread and steps continuously while there is work, so a long forward
 pass never blocks the event loop (torch releases the GIL inside its kernels). The event loop
 talks to it through a command queue (add, abort); the engine thread hands each step's outputs
-back with one `call_soon_threadsafe`. Outputs are cumulative, so a slow client simply skips to
-the newest one: a request's stream holds only its latest output, never a growing backlog.
+back with one `call_soon_threadsafe`. Outputs are deltas (only what each step added); the deltas
+a slow client has not taken yet merge into one, so its stream holds one pending output, never a
+queue of them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
-from kvscale.worker.engine.outputs import RequestOutput
+from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.metrics import EngineMetrics
 
@@ -31,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    latest: RequestOutput | None = None
+    pending: RequestOutputAccumulator | None = None  # deltas not yet taken, merged
     error: BaseException | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -105,8 +106,9 @@ class AsyncLLM:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs until the request finishes. Raises ValueError at once when the
-        request can never run. Leaving the iteration early (disconnect, cancel) aborts the request."""
+        """Yield deltas (what is new since the previous one) until the request finishes. Raises
+        ValueError at once when the request can never run. Leaving the iteration early
+        (disconnect, cancel) aborts the request."""
         if self.dead is not None:
             raise EngineDeadError("the engine loop has failed") from self.dead
         assert self.engine is not None
@@ -123,8 +125,8 @@ class AsyncLLM:
                 stream.event.clear()
                 if stream.error is not None:
                     raise stream.error
-                out = stream.latest
-                assert out is not None
+                assert stream.pending is not None
+                out, stream.pending = stream.pending.get(), None
                 finished = out.finished
                 yield out
         finally:
@@ -139,9 +141,13 @@ class AsyncLLM:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:  # gone: the client left and its abort is on the way
-                stream.latest = out
-                stream.event.set()
+            if stream is None:  # gone: the client left and its abort is on the way
+                continue
+            if stream.pending is None:
+                stream.pending = RequestOutputAccumulator(out)
+            else:
+                stream.pending.add(out)
+            stream.event.set()
 
     def _fail_one(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)

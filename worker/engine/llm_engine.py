@@ -2,7 +2,9 @@
 
 Synchronous and network-free: the offline API drives it directly and the server runs it from
 its own loop. A request with n > 1 fans out into n sequences that share the prompt (and, through
-the prefix cache, its KV blocks); their outputs are gathered under the parent's id.
+the prefix cache, its KV blocks); their outputs are gathered under the parent's id. Each step
+hands back deltas (only what is new), so a step's cost does not grow with how much a request has
+generated; RequestOutputAccumulator rebuilds whole outputs (LLM.generate uses it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
-from kvscale.worker.engine.outputs import RequestOutput, completion_output
+from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.loader import load_generation_defaults, load_tokenizer
 from kvscale.worker.model.model_runner import ModelRunner
@@ -75,7 +77,9 @@ class ParentRequest:
     prompt: str | None
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
-    num_fed: list[int] = field(default_factory=list)  # tokens already given to each detokenizer
+    # Output tokens already given to each child's detokenizer, which are also those already handed
+    # out in a delta.
+    num_fed: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -261,23 +265,29 @@ class LLMEngine:
                 self._fail(self._child_to_parent.get(request.request_id), e)
             return []
         self._consecutive_failed_steps = 0
-        touched: dict[str, ParentRequest] = {}
+        touched: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
         for request in updated:
             parent = self._parents.get(self._child_to_parent.get(request.request_id, ""))
             if parent is None:  # failed earlier in this step (another of its sequences)
                 continue
-            try:
-                self._detokenize(parent, request)
-            except Exception as e:  # this request's own bookkeeping: fail it alone
+            try:  # this request's own bookkeeping: an error in it fails the request alone
+                i = parent.children.index(request)
+                seen = parent.num_fed[i]
+                self._detokenize(parent, i, request)
+                # Text is what is safe to stream: a tail that may still become a stop string is
+                # held back until it is known not to be one, so streamed text is never taken back.
+                text = parent.detokenizers[i].get_next_output_text(finished=request.is_finished, delta=True)
+                delta = completion_delta(i, request, text, seen)
+            except Exception as e:
                 logger.exception("request %s failed", parent.request_id)
                 self._fail(parent.request_id, e)
                 touched.pop(parent.request_id, None)
                 continue
-            touched[parent.request_id] = parent
+            touched.setdefault(parent.request_id, (parent, []))[1].append(delta)
         outputs = []
-        for parent in touched.values():
+        for parent, deltas in touched.values():
             try:
-                outputs.append(self._make_output(parent))
+                outputs.append(self._make_output(parent, deltas))
             except Exception as e:
                 logger.exception("request %s failed", parent.request_id)
                 self._fail(parent.request_id, e)
@@ -307,8 +317,7 @@ class LLMEngine:
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
         return stats
 
-    def _detokenize(self, parent: ParentRequest, request: Request) -> None:
-        i = parent.children.index(request)
+    def _detokenize(self, parent: ParentRequest, i: int, request: Request) -> None:
         detok = parent.detokenizers[i]
         seen = parent.num_fed[i]
         new_ids = request.output_token_ids[seen:]
@@ -349,13 +358,9 @@ class LLMEngine:
             stats.time_to_first_tokens.append(times[0] - request.arrival_time)
         stats.inter_token_latencies.extend(times[j] - times[j - 1] for j in range(max(seen, 1), len(times)))
 
-    def _make_output(self, parent: ParentRequest) -> RequestOutput:
-        # Text is what is safe to stream: a tail that may still become a stop string is held back
-        # until it is known not to be one, so streamed text never has to be taken back.
-        outputs = [
-            completion_output(i, child, detok.get_next_output_text(finished=child.is_finished, delta=False))
-            for i, (child, detok) in enumerate(zip(parent.children, parent.detokenizers, strict=True))
-        ]
+    def _make_output(self, parent: ParentRequest, deltas: list[CompletionOutput]) -> RequestOutput:
+        """The step's delta of one request: its sequences that advanced, each with only its new
+        tokens and text."""
         finished = all(c.is_finished for c in parent.children)
         if finished:
             del self._parents[parent.request_id]
@@ -366,7 +371,7 @@ class LLMEngine:
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
+            outputs=sorted(deltas, key=lambda c: c.index),
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
         )

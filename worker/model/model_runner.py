@@ -28,7 +28,7 @@ from kvscale.worker.model.kv_cache import (
 from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
-from kvscale.worker.sample.sampler import Sampler, SamplingMetadata
+from kvscale.worker.sample.sampler import PenaltyState, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,15 @@ class ModelRunner:
         self.backend = get_attention_backend(args.attention_backend, self.device)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        # Output token counts for penalties, kept on the device and updated with new tokens only.
+        self.penalty_state = PenaltyState(self.spec.vocab_size, self.device)
         self.draft = (
             load_draft(self.device, self.dtype, self.max_model_len, self.spec.vocab_size)
             if load_draft
             else None
         )
+        if self.draft is not None:
+            self.draft.penalty_state = self.penalty_state
         self.num_blocks = self._size_kv_cache(args)
         self.max_model_len = fit_max_model_len(
             self.max_model_len, self.num_blocks, self.block_size, explicit=args.max_model_len is not None
@@ -185,7 +189,10 @@ class ModelRunner:
             rows = torch.from_numpy(offsets[plain]).to(self.device)
             requests = [out.requests[i] for i in plain]
             result = self.sampler(
-                logits[rows], SamplingMetadata.from_requests(requests, self.spec.vocab_size, self.device)
+                logits[rows],
+                SamplingMetadata.from_requests(
+                    requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
+                ),
             )
             for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
                 sampled[i] = [token_id]
@@ -196,7 +203,9 @@ class ModelRunner:
             verify_rows = [
                 SpecDecodeRow(out.requests[i], out.spec_token_ids[i], out.spec_draft_probs[i]) for i in spec
             ]
-            verified = self.rejection_sampler(logits[rows.to(self.device)], verify_rows, self.spec.vocab_size)
+            verified = self.rejection_sampler(
+                logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state
+            )
             for k, i in enumerate(spec):
                 sampled[i] = verified.token_ids[k]
                 logprobs[i] = verified.logprobs[k]

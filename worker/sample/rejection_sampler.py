@@ -32,6 +32,7 @@ import torch
 
 from kvscale.worker.core.request import Request, TokenLogprobs
 from kvscale.worker.sample.sampler import (
+    PenaltyState,
     SamplingMetadata,
     gather_logprobs,
     random_sample,
@@ -61,16 +62,22 @@ def accept_proposals(p_draft: torch.Tensor, q_draft: torch.Tensor, uniform: torc
 
 
 class RejectionSampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SpecDecodeRow], vocab_size: int) -> VerifyOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SpecDecodeRow],
+        vocab_size: int,
+        penalty_state: PenaltyState | None = None,
+    ) -> VerifyOutput:
         """logits: [sum(n_i + 1), V], row i's n_i + 1 positions in order, rows one after another."""
         device = logits.device
-        requests, outputs = [], []
+        requests, extra = [], []
         for row in rows:
-            out, drafts = row.request.output_token_ids, row.draft_token_ids
+            drafts = row.draft_token_ids
             for j in range(len(drafts) + 1):
                 requests.append(row.request)
-                outputs.append(out + drafts[:j])
-        metadata = SamplingMetadata.from_requests(requests, vocab_size, device, output_token_ids=outputs)
+                extra.append(drafts[:j])  # the position follows the output and these proposals
+        metadata = SamplingMetadata.from_requests(requests, vocab_size, device, extra, penalty_state)
         logits = logits.to(torch.float32)
         dist = target_distribution(logits, metadata)
         greedy = dist.greedy_token_ids.tolist() if dist.greedy_token_ids is not None else None

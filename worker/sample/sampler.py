@@ -38,8 +38,10 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
     frequency_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
     repetition_penalties: torch.Tensor | None  # [B] float32; None when no row uses it
-    prompt_token_ids: torch.Tensor | None  # [B, max_prompt_len] int64, padded with vocab_size
-    output_token_ids: list[list[int]]  # tokens generated so far, per row
+    # [B, V] bool: the token is in the row's prompt; None when no row has a repetition penalty.
+    prompt_mask: torch.Tensor | None
+    # [B, V] float32: how often each token occurs in the row's output; None without penalties.
+    output_token_counts: torch.Tensor | None
     min_tokens: dict[int, set[int]]  # row -> token ids forbidden until the row reaches min_tokens
     max_num_logprobs: int | None  # largest `logprobs` any row asked for; None: nobody wants logprobs
     # Per row `logprobs` (None: that row did not ask). None here: every row reports max_num_logprobs.
@@ -51,12 +53,17 @@ class SamplingMetadata:
         requests: list[Request],
         vocab_size: int,
         device: torch.device,
-        output_token_ids: list[list[int]] | None = None,
+        extra_output_token_ids: list[list[int]] | None = None,
+        penalty_state: PenaltyState | None = None,
     ) -> SamplingMetadata:
         """One row per entry of `requests` (a request may fill several rows: speculative verification
-        scores each proposed position, and `output_token_ids` then gives each row the output it
-        would follow, so penalties and min_tokens see the proposed tokens before it)."""
-        outputs = output_token_ids if output_token_ids is not None else [r.output_token_ids for r in requests]
+        scores each proposed position, and `extra_output_token_ids` then gives each row the
+        proposed tokens before it, which penalties and min_tokens count as output).
+
+        With a `penalty_state` (the engine's), output token counts come from its device tensors,
+        updated with the new tokens only; without one they are counted from the requests' lists
+        (tests, one-off use)."""
+        extra = extra_output_token_ids
         temperature: list[float] = []
         top_k: list[int] = []
         top_p: list[float] = []
@@ -79,10 +86,11 @@ class SamplingMetadata:
             presence.append(params.presence_penalty)
             frequency.append(params.frequency_penalty)
             repetition.append(params.repetition_penalty)
+            num_output = req.num_output_tokens + (len(extra[i]) if extra is not None else 0)
             if not greedy and req.seed is not None:
-                # The row samples output position len(outputs[i]) (later for a proposed position).
-                noise_seeds[i] = noise_seed(req.seed, len(outputs[i]))
-            if len(outputs[i]) < params.min_tokens:
+                # The row samples output position num_output (later for a proposed position).
+                noise_seeds[i] = noise_seed(req.seed, num_output)
+            if num_output < params.min_tokens:
                 banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
                 if banned:
                     min_tokens[i] = banned
@@ -93,16 +101,25 @@ class SamplingMetadata:
                 return None
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        prompt_token_ids = None
-        if any(r != 1.0 for r in repetition):
-            # Rows without a repetition penalty contribute no prompt: their penalty is the identity.
-            prompts = [
-                req.prompt_token_ids if r != 1.0 else [] for req, r in zip(requests, repetition, strict=True)
-            ]
-            prompt_token_ids = _pad(prompts, vocab_size, device)
         presence_t = as_tensor(presence, 0.0)
         frequency_t = as_tensor(frequency, 0.0)
         repetition_t = as_tensor(repetition, 1.0)
+        no_penalties = presence_t is None and frequency_t is None and repetition_t is None
+        prompt_mask = counts = None
+        if not no_penalties:
+            if penalty_state is not None:
+                counts, prompt_mask = penalty_state.gather(requests, repetition_t is not None)
+            else:
+                counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)
+                if repetition_t is not None:
+                    # Rows without a repetition penalty need no prompt: their penalty is the identity.
+                    prompts = [
+                        r.prompt_token_ids if p != 1.0 else []
+                        for r, p in zip(requests, repetition, strict=True)
+                    ]
+                    prompt_mask = token_counts(prompts, vocab_size, device) > 0
+            if extra is not None and any(extra):
+                counts = counts + token_counts(extra, vocab_size, device)
         asked = [n for n in num_logprobs if n is not None]
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
@@ -112,12 +129,12 @@ class SamplingMetadata:
             top_p=as_tensor(top_p, 1.0),
             min_p=as_tensor(min_p, 0.0),
             noise_seeds=noise_seeds,
-            no_penalties=presence_t is None and frequency_t is None and repetition_t is None,
+            no_penalties=no_penalties,
             presence_penalties=presence_t,
             frequency_penalties=frequency_t,
             repetition_penalties=repetition_t,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=outputs,
+            prompt_mask=prompt_mask,
+            output_token_counts=counts,
             min_tokens=min_tokens,
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=num_logprobs,
@@ -130,11 +147,97 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None  # per row when anyone asked; None for rows that did not
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[B, longest] int64, padded with `pad` (vocab_size: an id that scatters into a dropped column)."""
-    width = max((len(r) for r in rows), default=0)
-    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64).reshape(len(rows), width).to(device)
+def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32: how often each token id occurs in each row."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    index = [(r, t) for r, ids in enumerate(rows) for t in ids]
+    if index:
+        at = torch.tensor(index, dtype=torch.int64, device=device).T
+        counts.index_put_((at[0], at[1]), torch.ones(len(index), device=device), accumulate=True)
+    return counts
+
+
+@dataclass
+class _Tracked:
+    request: Request  # held so that its id() is not reused while the row is taken
+    row: int
+    num_counted: int  # leading output tokens already in the row's counts
+    has_prompt: bool  # the row's prompt mask is filled
+
+
+class PenaltyState:
+    """Per-request output token counts and prompt masks for the penalties, kept on the device and
+    updated with each step's new tokens, so that a step's penalty work does not grow with how
+    much a request has generated (rebuilding counts from the token lists every step did).
+
+    Row 0 stays zero, for rows of a batch without penalties. A request gets a row the first time
+    it is sampled with a penalty and gives it back once finished. Output tokens only ever grow
+    while a request runs (a preemption keeps them); a shorter output than was counted (a stop
+    string cut a speculative run) recounts the row."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+        self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
+        self._tracked: dict[int, _Tracked] = {}
+        self._free_rows: list[int] = []
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    def gather(self, requests: list[Request], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, V] output counts (and prompt masks) of the batch's rows; a request may fill several."""
+        self._release_finished()
+        rows: list[int] = []
+        new_rows: list[int] = []
+        new_tokens: list[int] = []
+        for req in requests:
+            p = req.sampling_params
+            if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0:
+                rows.append(0)
+                continue
+            tracked = self._tracked.get(id(req))
+            if tracked is None:
+                tracked = self._tracked[id(req)] = _Tracked(req, self._take_row(), 0, False)
+            elif req.num_output_tokens < tracked.num_counted:
+                self.counts[tracked.row].zero_()
+                tracked.num_counted = 0
+            if tracked.num_counted < req.num_output_tokens:
+                ids = req.output_token_ids[tracked.num_counted :]
+                new_rows.extend([tracked.row] * len(ids))
+                new_tokens.extend(ids)
+                tracked.num_counted = req.num_output_tokens
+            if with_prompt and p.repetition_penalty != 1.0 and not tracked.has_prompt:
+                ids = torch.tensor(req.prompt_token_ids, dtype=torch.int64, device=self.device)
+                self.prompt_mask[tracked.row, ids] = True
+                tracked.has_prompt = True
+            rows.append(tracked.row)
+        if new_tokens:
+            at = torch.tensor([new_rows, new_tokens], dtype=torch.int64, device=self.device)
+            ones = torch.ones(len(new_tokens), dtype=torch.float32, device=self.device)
+            self.counts.index_put_((at[0], at[1]), ones, accumulate=True)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        counts = self.counts.index_select(0, index)
+        return counts, self.prompt_mask.index_select(0, index) if with_prompt else None
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self.counts.shape[0]
+            grow = max(old, 8)
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(grow, self.vocab_size)])
+            mask = self.prompt_mask
+            self.prompt_mask = torch.cat([mask, mask.new_zeros(grow, self.vocab_size)])
+            self._free_rows = list(range(old + grow - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _release_finished(self) -> None:
+        done = [key for key, t in self._tracked.items() if t.request.is_finished]
+        for key in done:
+            row = self._tracked.pop(key).row
+            self.counts[row].zero_()
+            self.prompt_mask[row].zero_()
+            self._free_rows.append(row)
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:
@@ -149,8 +252,8 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> t
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompt_token_ids: torch.Tensor | None,
-    output_token_ids: list[list[int]],
+    prompt_mask: torch.Tensor | None,
+    output_token_counts: torch.Tensor,
     presence_penalties: torch.Tensor | None,
     frequency_penalties: torch.Tensor | None,
     repetition_penalties: torch.Tensor | None,
@@ -160,18 +263,11 @@ def apply_penalties(
     presence subtracts penalty once, both over output tokens only."""
     if presence_penalties is None and frequency_penalties is None and repetition_penalties is None:
         return logits
-    batch, vocab = logits.shape
-    # One spare column catches the padding id (vocab), then is dropped.
-    out_ids = _pad(output_token_ids, vocab, logits.device)
-    counts = torch.zeros(batch, vocab + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]
+    counts = output_token_counts.to(logits.dtype)
     if repetition_penalties is not None:
         seen = counts > 0
-        if prompt_token_ids is not None:
-            in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
-            in_prompt.scatter_(1, prompt_token_ids, True)
-            seen |= in_prompt[:, :vocab]
+        if prompt_mask is not None:
+            seen |= prompt_mask
         rep = repetition_penalties.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     if frequency_penalties is not None:
@@ -261,10 +357,11 @@ def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> Tar
     it is never used."""
     logits = apply_min_tokens(logits, metadata.min_tokens)
     if not metadata.no_penalties:
+        assert metadata.output_token_counts is not None
         logits = apply_penalties(
             logits,
-            metadata.prompt_token_ids,
-            metadata.output_token_ids,
+            metadata.prompt_mask,
+            metadata.output_token_counts,
             metadata.presence_penalties,
             metadata.frequency_penalties,
             metadata.repetition_penalties,

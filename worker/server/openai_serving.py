@@ -1,7 +1,8 @@
 """The OpenAI endpoints: /v1/completions and /v1/chat/completions, plain JSON or SSE streams.
 
-A request becomes one engine request per prompt (each fanning out to `n` sequences); their
-cumulative outputs are turned into OpenAI's JSON, or into SSE deltas for `stream: true`.
+A request becomes one engine request per prompt (each fanning out to `n` sequences). The engine
+hands back deltas: a stream sends each on as an SSE event (`stream: true`), a plain response
+accumulates them into OpenAI's JSON.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from aiohttp import web
 from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
 from kvscale.worker.engine.llm_engine import RequestFailedError
-from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput
+from kvscale.worker.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputAccumulator,
+    merge_completion,
+)
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.protocol import MAX_PROMPTS, APIError, ChatCompletionRequest, CompletionRequest
 from kvscale.worker.server.request_body import body_limits, longest_token_bytes, parse_body
@@ -299,14 +305,12 @@ class OpenAIServing:
             for p in prompts
         ]
 
-        def choice(i: int, c: CompletionOutput, text: str, token_start: int) -> dict[str, Any]:
+        def choice(i: int, c: CompletionOutput, text: str, offset: int) -> dict[str, Any]:
+            """`offset`: the text_offset of c's first token (from the start of the choice's text,
+            echoed prompt included)."""
             logprobs = None
             if body.logprobs is not None and c.logprobs is not None:
-                # text_offset counts from the start of the choice's text, echoed prompt included.
-                offset = len(echo_text[i]) + sum(
-                    len(self.token_text(lp.token_id)) for lp in c.logprobs[:token_start]
-                )
-                logprobs = self.completion_logprobs(c.logprobs[token_start:], offset)
+                logprobs = self.completion_logprobs(c.logprobs, offset)
             return {
                 "index": i * body.n + c.index,
                 "text": text,
@@ -323,7 +327,9 @@ class OpenAIServing:
         if not body.stream:
             finals = await self._collect(self.run(prompts, params, request_id), len(prompts))
             choices = [
-                choice(i, c, echo_text[i] + c.text, 0) for i, out in enumerate(finals) for c in out.outputs
+                choice(i, c, echo_text[i] + c.text, len(echo_text[i]))
+                for i, out in enumerate(finals)
+                for c in out.outputs
             ]
             choices.sort(key=lambda ch: ch["index"])
             self._log(request_id, "completions", finals)
@@ -337,8 +343,17 @@ class OpenAIServing:
                 else None
             )
 
+        offsets: dict[tuple[int, int], int] = {}  # per choice: the text_offset of its next token
+
+        def delta(i: int, c: CompletionOutput) -> dict[str, Any]:
+            key = (i, c.index)
+            offset = offsets.get(key, len(echo_text[i]))
+            if c.logprobs:  # a running offset: each delta costs what it carries
+                offsets[key] = offset + sum(len(self.token_text(lp.token_id)) for lp in c.logprobs)
+            return choice(i, c, c.text, offset)
+
         return await self._stream(
-            request, request_id, prompts, params, body.include_usage, base, first_delta, choice
+            request, request_id, prompts, params, body.include_usage, base, first_delta, delta
         )
 
     def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
@@ -366,10 +381,10 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
 
-        def logprobs(c: CompletionOutput, start: int) -> dict[str, Any] | None:
+        def logprobs(c: CompletionOutput) -> dict[str, Any] | None:
             if not body.logprobs or c.logprobs is None:
                 return None
-            return {"content": [self.chat_logprob(lp, body.top_logprobs or 0) for lp in c.logprobs[start:]]}
+            return {"content": [self.chat_logprob(lp, body.top_logprobs or 0) for lp in c.logprobs]}
 
         if not body.stream:
             finals = await self._collect(self.run([prompt], [params], request_id), 1)
@@ -377,7 +392,7 @@ class OpenAIServing:
                 {
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c, 0),
+                    "logprobs": logprobs(c),
                     "finish_reason": c.finish_reason,
                 }
                 for c in finals[0].outputs
@@ -395,11 +410,11 @@ class OpenAIServing:
                 "finish_reason": None,
             }
 
-        def delta(i: int, c: CompletionOutput, text: str, start: int) -> dict[str, Any]:
+        def delta(i: int, c: CompletionOutput) -> dict[str, Any]:
             return {
                 "index": c.index,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs(c, start),
+                "delta": {"content": c.text} if c.text else {},
+                "logprobs": logprobs(c),
                 "finish_reason": c.finish_reason,
             }
 
@@ -420,10 +435,16 @@ class OpenAIServing:
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], n: int
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * n
+        running: list[RequestOutputAccumulator | None] = [None] * n
         try:
             async for i, out in outputs:
+                acc = running[i]
+                if acc is None:
+                    acc = running[i] = RequestOutputAccumulator(out)
+                else:
+                    acc.add(out)
                 if out.finished:
-                    finals[i] = out
+                    finals[i] = acc.get()
         except EngineDeadError as e:
             raise APIError(500, str(e), type="server_error", code="engine_dead") from None
         except RequestFailedError as e:  # this request alone; the others go on
@@ -441,9 +462,10 @@ class OpenAIServing:
         include_usage: bool,
         base: dict[str, Any],
         first_delta: Callable[[int, CompletionOutput], dict[str, Any] | None],
-        delta: Callable[[int, CompletionOutput, str, int], dict[str, Any]],
+        delta: Callable[[int, CompletionOutput], dict[str, Any]],
     ) -> web.StreamResponse:
-        """SSE: one `data:` event per step with each choice's new text, then `data: [DONE]`."""
+        """SSE: one `data:` event per step with each choice's delta (new text, its logprobs), then
+        `data: [DONE]`."""
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -451,10 +473,13 @@ class OpenAIServing:
                 "X-Request-Id": request_id,
             }
         )
-        sent_text: dict[tuple[int, int], int] = {}  # per choice: characters and tokens already sent
-        sent_tokens: dict[tuple[int, int], int] = {}
+        opened: set[tuple[int, int]] = set()  # choices whose opening delta went out
+        # Per choice, tokens whose text is still held back (an incomplete character, a possible
+        # stop string): their logprobs go out with the text.
+        held: dict[tuple[int, int], CompletionOutput] = {}
         closed: set[tuple[int, int]] = set()  # choices whose finish_reason went out
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        running: list[RequestOutputAccumulator | None] = [None] * len(prompts)  # for usage and the log
 
         async def write(data: bytes) -> None:
             # Headers go out with the first event, so a request the engine refuses is still a 400.
@@ -470,22 +495,29 @@ class OpenAIServing:
                 firsts, choices = [], []
                 for c in out.outputs:
                     key = (i, c.index)
-                    if key not in sent_text:
-                        sent_text[key] = sent_tokens[key] = 0
+                    if key not in opened:
+                        opened.add(key)
                         first = first_delta(i, c)
                         if first is not None:
                             firsts.append(first)
-                    text = c.text[sent_text[key] :]
-                    if text or (c.finished and key not in closed):
-                        choices.append(delta(i, c, text, sent_tokens[key]))
-                        sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+                    if key in held:
+                        c = merge_completion(held.pop(key), c)
+                    if c.text or (c.finished and key not in closed):
+                        choices.append(delta(i, c))
                         if c.finished:
                             closed.add(key)
+                    else:
+                        held[key] = c
                 for group in (firsts, choices):  # the opening delta (role / echo) is a chunk of its own
                     if group:
                         await send({**base, "choices": group, **({"usage": None} if include_usage else {})})
+                acc = running[i]
+                if acc is None:
+                    acc = running[i] = RequestOutputAccumulator(out)
+                else:
+                    acc.add(out)
                 if out.finished:
-                    finals[i] = out
+                    finals[i] = acc.get()
         except EngineDeadError as e:
             await send(APIError(500, str(e), type="server_error", code="engine_dead").body())
             return response

@@ -22,6 +22,7 @@ from kvscale.worker.core.request import Request
 from kvscale.worker.core.scheduler import Scheduler, SchedulerOutput
 from kvscale.worker.engine.stats import IterationStats
 from kvscale.worker.model.forward_batch import SeqChunk
+from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
 from kvscale.worker.spec_decode.lookahead import (
     StepCostModel,
@@ -83,7 +84,7 @@ class SpeculativeDecoder:
         if not any(ks):
             return
         if isinstance(self.proposer, NgramProposer):
-            drafts = self.proposer.propose([r.all_token_ids for r in requests], ks)
+            drafts = self.proposer.propose(requests, ks)
             probs: list[torch.Tensor | None] = [None] * len(requests)
         else:
             drafts, probs = self.proposer.propose(requests, ks, [out.block_ids[i] for i in rows])
@@ -170,10 +171,13 @@ def profile_step_costs(
         def propose(b: int) -> object:  # one draft forward (one proposed position) for b sequences
             return draft.forward([SeqChunk([0], context, blocks) for _ in range(b)])
     else:
-        ngram, history = proposer, list(range(PROFILE_CONTEXT)) * 2
+        # A scratch proposer: its indexes of these stand-in requests are dropped with it.
+        ngram = NgramProposer(proposer.max_n, proposer.min_n)
+        history = list(range(PROFILE_CONTEXT)) * 2
+        stand_ins = [Request(f"profile-{i}", history, SamplingParams()) for i in range(max(sizes))]
 
-        def propose(b: int) -> object:  # the whole lookup for b sequences (always a match)
-            return ngram.propose([history] * b, [k_max] * b)
+        def propose(b: int) -> object:  # the lookup for b sequences (always a match), index built
+            return ngram.propose(stand_ins[:b], [k_max] * b)
 
     proposer_times = [_median_time(lambda b=b: propose(b), device) for b in sizes]
     costs = StepCostModel(

@@ -20,7 +20,12 @@ from kvscale.worker.model.attention.selector import get_attention_backend
 from kvscale.worker.model.forward_batch import SeqChunk, forward_logits
 from kvscale.worker.model.kv_cache import allocate_kv_cache, bytes_per_block
 from kvscale.worker.model.loader import load_config, load_model
-from kvscale.worker.sample.sampler import SamplingMetadata, random_sample, target_distribution
+from kvscale.worker.sample.sampler import (
+    PenaltyState,
+    SamplingMetadata,
+    random_sample,
+    target_distribution,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,8 @@ class DraftModelProposer:
             )
         self.backend = get_attention_backend(args.attention_backend, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The target runner's penalty counts (set by it): the draft's sampled rows share them.
+        self.penalty_state: PenaltyState | None = None
 
     def block_bytes(self) -> int:
         s = self.spec
@@ -97,8 +104,10 @@ class DraftModelProposer:
         rows = [requests[i] for i in active]
         if all(r.sampling_params.is_greedy for r in rows):
             return logits.argmax(dim=-1).tolist(), [None] * len(rows)
-        outputs = [r.output_token_ids + drafts[i] for r, i in zip(rows, active, strict=True)]
-        metadata = SamplingMetadata.from_requests(rows, logits.shape[-1], logits.device, outputs)
+        extra = [drafts[i] for i in active]  # penalties count the tokens drafted so far as output
+        metadata = SamplingMetadata.from_requests(
+            rows, logits.shape[-1], logits.device, extra, self.penalty_state
+        )
         dist = target_distribution(logits, metadata)
         assert dist.probs is not None
         sampled = random_sample(dist.probs, metadata.noise_seeds)
