@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster import BIN, ControlPlane, kubectl
+import runtime
+from cluster import BIN, ControlPlane, ensure_built, kubectl
 from kubernetes import client, config
 
 
@@ -23,6 +25,8 @@ class Cluster:
     api: client.ApiClient
     local: bool  # our control plane and node stand-in (False: an external cluster)
     state_dir: Path | None = None  # local only: logs, the audit log, each pod's output under pods/
+    node: object | None = None  # the real node (realnode.RealNode), when the pods run on one
+    images: object | None = None  # images.Built: the images the real node runs
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True):
         return kubectl(self.kubeconfig, *args, input=input, check=check)
@@ -56,3 +60,61 @@ def pytest_collection_modifyitems(items):
     (e2e/test_autoscaling.py): it runs after every other test of the session."""
     last = [i for i in items if i.name == "test_operator_uses_exactly_its_rbac_and_is_never_forbidden"]
     items[:] = [i for i in items if i not in last] + last
+
+
+@pytest.fixture(scope="session")
+def runtimes(tmp_path_factory):
+    """Our containerd and dockerd (e2e/runtime.py), torn down with everything in the ledger at the
+    end of the session, also on failure, Ctrl-C or SIGTERM; a ledger a killed run left behind is
+    torn down first."""
+    reason = runtime.unavailable()
+    if reason:
+        pytest.skip(reason)
+    ledger = runtime.Ledger(runtime.RUN_DIR / "ledger.json")
+    ledger.teardown()  # whatever a killed run left
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        rt = runtime.Runtimes(ledger, tmp_path_factory.mktemp("runtimes")).start()
+        yield rt
+    finally:
+        ledger.teardown()
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session")
+def images(runtimes):
+    """Both images built from the Dockerfile on the local base, and the pause image; (runtimes,
+    images.Built)."""
+    import images as images_module
+
+    ensure_built()
+    return runtimes, images_module.build(runtimes)
+
+
+@pytest.fixture(scope="session")
+def node_cluster(images, tmp_path_factory):
+    """The control plane reachable from pods and a real node (e2e/realnode.py): containerd,
+    kubelet, kube-proxy, kube-scheduler, the CNI bridge, the images imported. Torn down at the
+    end of the session; the teardown fails the session if it left anything behind."""
+    from realnode import real_cluster
+
+    runtimes, built = images
+    state = tmp_path_factory.mktemp("node-cluster")
+    with real_cluster(state, runtimes, built) as (cp, node):
+        yield Cluster(
+            cp.kubeconfig,
+            config.new_client_from_config(str(cp.kubeconfig)),
+            local=True,
+            state_dir=cp.state_dir,
+            node=node,
+            images=built,
+        )
+    from realnode import leftovers
+
+    left = leftovers()
+    assert not left, f"the real node's teardown left: {left}"
