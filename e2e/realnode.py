@@ -252,6 +252,15 @@ class RealNode:
         self.ledger.add(kind="path", path=str(RUN_DIR / "cni-ipam"))
         (self.runtimes.cni_conf / "10-kvscale.conflist").write_text(json.dumps(conf, indent=1))
 
+    def container_pid(self, container_id: str) -> int:
+        """The host PID of a container's main process (container_id as in a pod's status)."""
+        wanted = container_id.removeprefix("containerd://")
+        for line in self.runtimes.ctr("tasks", "list").stdout.splitlines()[1:]:
+            task, pid, *_ = line.split()
+            if task == wanted:
+                return int(pid)
+        raise LookupError(f"no task for container {container_id}")
+
     def delete_pods(self, kubeconfig: Path, timeout: float = 60) -> None:
         """Every pod of the node, before the processes stop (their shims outlive containerd)."""
         kubectl(
