@@ -197,8 +197,12 @@ def _up(state_dir: Path) -> int:
     ledger.teardown()  # what a killed run left behind
     try:
         rt = runtime.Runtimes(ledger, state_dir / "runtimes").start()
-        built = images.build(rt)
-        with real_cluster(state_dir, rt, built) as (cp, node):
+
+        def log(message: str) -> None:  # stdout carries the kubeconfig path alone
+            print(message, file=sys.stderr, flush=True)
+
+        built = images.build(rt, log)
+        with real_cluster(state_dir, rt, built, log) as (cp, node):
             serve(cp, f"control plane and node (ready in {node.startup_s:.0f}s)")
     finally:
         ledger.teardown()

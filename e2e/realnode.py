@@ -114,11 +114,11 @@ class RealNode:
         # jumping to them go at teardown, after `kube-proxy --cleanup` took its own.
         ledger.add(kind="iptables", prefixes=list(OUR_CHAINS), before=iptables_chains())
 
-    def start(self, cp: ControlPlane, binaries: Binaries, built_images: list[str]) -> RealNode:
+    def start(self, cp: ControlPlane, binaries: Binaries, built_images: list[str], log=print) -> RealNode:
         started = time.monotonic()
         state = RUN_DIR / "node"
         state.mkdir(parents=True, exist_ok=True)
-        images.import_into_containerd(self.runtimes, [images.PAUSE_IMAGE, *built_images])
+        images.import_into_containerd(self.runtimes, [images.PAUSE_IMAGE, *built_images], log)
         self._write_cni()
         kubeconfig = str(cp.kubeconfig)
 
@@ -296,7 +296,7 @@ def real_cluster(state_dir: Path, runtimes: Runtimes, built: images.Built, log=p
             args=("--address", NODE_IP, "--service-cidr", SERVICE_CIDR, "--node-lifecycle"),
         )
         ledger.add(kind="process", name="controlplane", pid=cp.proc.pid, grace=60)
-        node.start(cp, binaries, list(built.images.values()))
+        node.start(cp, binaries, list(built.images.values()), log)
         yield cp, node
     finally:
         if cp is not None and cp.proc.poll() is None:
