@@ -1,27 +1,38 @@
-# kvscale images. One Dockerfile, two published targets and a default:
+# kvscale images. One Dockerfile, two published targets:
 #
 #   docker build --target operator -t ghcr.io/kvscale/kvscale-operator:0.1.0 .   # kopf only, no torch
 #   docker build --target worker   -t ghcr.io/kvscale/kvscale-worker:0.1.0 .     # engine + server (CUDA torch)
-#   docker build -t kvscale:dev .   # no --target: the last stage, `worker`, which also contains the
-#                                   # operator (the package's full dependencies include kopf);
-#                                   # e2e/kind/up.sh runs both the operator and the workers from it.
 #
-# The build context is the repository root; .dockerignore keeps .venv, caches and tests out.
+# BuildKit is needed (the default builder of current Docker; DOCKER_BUILDKIT=1 on older ones): pip
+# keeps its downloads in a cache mount, so a rebuild never downloads torch again.
+#
+# PYTHON_IMAGE is any Debian-like image with python3 (>= 3.11) and its venv module, e.g. the
+# default python:3.11-slim-bookworm, or a local one made without a registry (e2e/images.py:
+# debootstrap bookworm + python3, python3-venv, ca-certificates). Everything is installed into
+# the venv /opt/kvscale, so both kinds of base work the same (Debian's own python refuses
+# `pip install` outside a venv).
+#
+# Layers, cheapest to change last: the pinned dependencies (requirements/*.txt, generated from
+# pyproject.toml's extras) first, then the kvscale wheel with --no-index, so a code change
+# rebuilds only the last layer and never reinstalls torch. The build context is the repository
+# root; .dockerignore keeps .venv, caches and tests out.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS base
 
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    VIRTUAL_ENV=/opt/kvscale \
+    PATH=/opt/kvscale/bin:$PATH
 
 # uid/gid 1000, the same numbers the pods' securityContext (runAsUser/runAsGroup 1000) uses.
 RUN groupadd --gid 1000 kvscale \
-    && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvscale
+    && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvscale \
+    && python3 -m venv /opt/kvscale
 
 WORKDIR /app
 
@@ -34,19 +45,28 @@ COPY pyproject.toml README.md ./
 COPY worker/ worker/
 COPY kernels/ kernels/
 COPY operator/ operator/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN --mount=type=cache,target=/cache/pip,sharing=locked \
+    pip wheel --cache-dir /cache/pip --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------------
-# The operator: kvscale.operator imports kopf, kubernetes, pydantic and pyyaml only (and
-# kvscale.worker.server.json_logging, which is stdlib-only), so the package goes in without its
-# dependencies and the four are installed by hand (minimum versions as in pyproject.toml).
+# The operator: the wheel with its `operator` extra, so what it needs is exactly what the
+# package metadata says (core dependencies + kopf, kubernetes, pyyaml; never torch). The pinned
+# set goes in first; the wheel then installs --no-index (a requirement the pins missed fails the
+# build instead of being fetched unpinned). The check imports every kvscale.operator module
+# (autoscaler: aiohttp, prometheus_client) and runs the command once (its logging setup too).
 FROM base AS operator
 
+COPY requirements/operator.txt /tmp/requirements/
+RUN --mount=type=cache,target=/cache/pip,sharing=locked \
+    pip install --cache-dir /cache/pip -r /tmp/requirements/operator.txt
 COPY --from=builder /wheels/ /tmp/wheels/
-RUN pip install "kopf>=1.37" "kubernetes>=30" "pydantic>=2.6" "pyyaml>=6" \
-    && pip install --no-deps /tmp/wheels/kvscale-*.whl \
-    && rm -rf /tmp/wheels \
-    && python -c "import sys, kvscale.operator.main, kvscale.operator.handlers; assert 'torch' not in sys.modules"
+RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[operator]" \
+    && rm -rf /tmp/wheels /tmp/requirements \
+    && pip check \
+    && python -c "import importlib, pkgutil, sys, kvscale.operator as op; \
+[importlib.import_module(m.name) for m in pkgutil.walk_packages(op.__path__, 'kvscale.operator.')]; \
+assert 'torch' not in sys.modules, 'the operator image must not load torch'" \
+    && kvscale-operator crd >/dev/null
 
 # /healthz and /readyz (kvscale-operator run --health-port, default 8080).
 EXPOSE 8080
@@ -66,17 +86,26 @@ CMD ["run"]
 # the path (`/models/...`) or a PVC (`pvc://CLAIM/SUBPATH`, mounted read-only at /models/CLAIM).
 FROM base AS worker
 
-# A C compiler: Triton (installed with torch) compiles its small CUDA launcher stubs with the
-# system compiler at run time. Debian's package versions are not pinned: bookworm's security
-# updates replace them and a pinned version would disappear from the mirror.
+# A C compiler and Python's headers stay in the runtime image: on a CUDA device Triton (installed
+# with torch) compiles its launcher stub (triton/backends/nvidia/driver.c, which includes
+# Python.h) with `gcc` the first time it loads, at run time (triton/runtime/build.py). On CPU
+# nothing compiles. python:3.11-slim carries Python.h already; a Debian python base gets it from
+# python3-dev. Debian's package versions are not pinned: bookworm's security updates replace
+# them and a pinned version would disappear from the mirror.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then \
+        apt-get install -y --no-install-recommends python3-dev; fi \
     && rm -rf /var/lib/apt/lists/*
 
+COPY requirements/worker.txt /tmp/requirements/
+RUN --mount=type=cache,target=/cache/pip,sharing=locked \
+    pip install --cache-dir /cache/pip -r /tmp/requirements/worker.txt
 COPY --from=builder /wheels/ /tmp/wheels/
-RUN pip install /tmp/wheels/kvscale-*.whl \
-    && rm -rf /tmp/wheels
+RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[worker]" \
+    && rm -rf /tmp/wheels /tmp/requirements \
+    && pip check
 
 # Every cache goes under /tmp (an emptyDir in the pods; the root filesystem is read-only there).
 ENV HF_HUB_OFFLINE=1 \

@@ -1,13 +1,15 @@
-"""The local Kubernetes control plane for tests: build, start, stop, and a stand-in node.
+"""The local Kubernetes cluster for tests: build, start, stop.
 
+    python e2e/cluster.py build            # only build the Go binaries
     python e2e/cluster.py up --dir DIR     # prints the kubeconfig path, runs until interrupted
     python e2e/cluster.py down --dir DIR   # stops the one started on DIR
 
-`up` builds e2e/controlplane (a real etcd + kube-apiserver + kube-controller-manager in one Go
-binary, from the upstream Kubernetes modules) and kubectl of the same release when they are
-missing or stale, starts the control plane, and runs the node stand-in (e2e/node.py) that binds
-pods to a node and runs their commands on loopback addresses. From pytest, use the fixtures in
-e2e/conftest.py.
+`build` makes, in one `go build` of e2e/controlplane's module set, the control plane (a real
+etcd + kube-apiserver + kube-controller-manager in one binary, from the upstream Kubernetes
+modules), kubectl, kubelet, kube-proxy, kube-scheduler of the same release and the pause
+program, when they are missing or stale. `up` (as root) also builds both images from the
+Dockerfile and starts the real node beside the control plane (e2e/realnode.py); without root it
+starts the control plane alone. From pytest, use the fixtures in e2e/conftest.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,38 +35,69 @@ KUBECTL_BIN = BIN / "kubectl"
 READY_MARK = "KVSCALE_CONTROLPLANE_READY"
 
 
+# One `go build` makes every binary from the one module set (k8s.io/kubernetes v1.37.2): the
+# control plane, kubectl, the node's kubelet, kube-proxy and kube-scheduler (`tool` lines in
+# go.mod), and the pods' pause program.
+TOOLS = ("kubectl", "kubelet", "kube-proxy", "kube-scheduler")
+
+
+@dataclass(frozen=True)
+class Binaries:
+    controlplane: Path
+    kubectl: Path
+    kubelet: Path
+    kube_proxy: Path
+    kube_scheduler: Path
+    pause: Path
+
+
+BINARIES = Binaries(
+    CONTROLPLANE_BIN, KUBECTL_BIN, BIN / "kubelet", BIN / "kube-proxy", BIN / "kube-scheduler", BIN / "pause"
+)
+
+
 def _sources_digest() -> str:
-    h = hashlib.sha256()
-    for path in sorted(GO_MODULE.iterdir()):
+    h = hashlib.sha256(b"CGO_ENABLED=0 -ldflags version\0")  # the build's settings, below
+    for path in sorted(GO_MODULE.rglob("*")):
         if path.suffix == ".go" or path.name in ("go.mod", "go.sum"):
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
+            h.update(str(path.relative_to(GO_MODULE)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
-def ensure_built(log=print) -> tuple[Path, Path]:
-    """Build the control plane and kubectl unless the binaries match the current sources.
+def ensure_built(log=print) -> Binaries:
+    """Build every binary unless they all match the current sources.
 
     The Go build cache makes a rebuild after a small change quick; the first build of the
     Kubernetes modules on two cores takes many minutes (see docs/testing.md)."""
     stamp = BIN / "sources.sha256"
     digest = _sources_digest()
-    if (
-        CONTROLPLANE_BIN.is_file()
-        and KUBECTL_BIN.is_file()
-        and stamp.is_file()
-        and stamp.read_text() == digest
-    ):
-        return CONTROLPLANE_BIN, KUBECTL_BIN
+    paths = [getattr(BINARIES, f) for f in BINARIES.__dataclass_fields__]
+    if all(p.is_file() for p in paths) and stamp.is_file() and stamp.read_text() == digest:
+        return BINARIES
     if shutil.which("go") is None:
         raise RuntimeError("the Go toolchain is needed to build e2e/controlplane (https://go.dev/dl)")
     BIN.mkdir(parents=True, exist_ok=True)
-    for target, package in ((CONTROLPLANE_BIN, "."), (KUBECTL_BIN, "k8s.io/kubernetes/cmd/kubectl")):
-        started = time.monotonic()
-        log(f"building {target.name} (go build {package})...")
-        subprocess.run(["go", "build", "-o", str(target), package], cwd=GO_MODULE, check=True)
-        log(f"built {target.name} in {time.monotonic() - started:.0f}s")
+    started = time.monotonic()
+    log(f"building {', '.join(p.name for p in paths)} (one go build)...")
+    packages = [".", "./pause", *(f"k8s.io/kubernetes/cmd/{t}" for t in TOOLS)]
+    # The release the binaries report (kubectl version, the node's kubeletVersion), as Kubernetes'
+    # own build stamps it; without it they say v0.0.0-master.
+    release = re.search(r"^\s*k8s\.io/kubernetes (v\S+)", (GO_MODULE / "go.mod").read_text(), re.M)[1]
+    major, minor = release.lstrip("v").split(".")[:2]
+    ldflags = " ".join(
+        f"-X k8s.io/component-base/version.{k}={v}"
+        for k, v in (("gitVersion", release), ("gitMajor", major), ("gitMinor", minor))
+    )
+    subprocess.run(
+        ["go", "build", "-ldflags", ldflags, "-o", f"{BIN}/", *packages],
+        cwd=GO_MODULE,
+        check=True,
+        env={**os.environ, "CGO_ENABLED": "0"},  # static: the pause binary runs in an empty image
+    )
+    (BIN / "controlplane").replace(CONTROLPLANE_BIN)  # `go build -o DIR/ .` names it after the module
+    log(f"built in {time.monotonic() - started:.0f}s")
     stamp.write_text(digest)
-    return CONTROLPLANE_BIN, KUBECTL_BIN
+    return BINARIES
 
 
 @dataclass
@@ -77,12 +111,13 @@ class ControlPlane:
     startup_s: float
 
     @classmethod
-    def start(cls, state_dir: Path, timeout: float = 180.0) -> ControlPlane:
-        binary, _ = ensure_built()
+    def start(cls, state_dir: Path, timeout: float = 180.0, args: tuple[str, ...] = ()) -> ControlPlane:
+        """args: more flags of kvscale-controlplane (--address, --service-cidr, --node-lifecycle)."""
+        binary = ensure_built().controlplane
         state_dir.mkdir(parents=True, exist_ok=True)
         log = (state_dir / "controlplane.log").open("ab")
         proc = subprocess.Popen(
-            [str(binary), "--dir", str(state_dir)], stdout=subprocess.PIPE, stderr=log, text=True
+            [str(binary), "--dir", str(state_dir), *args], stdout=subprocess.PIPE, stderr=log, text=True
         )
         deadline = time.monotonic() + timeout
         assert proc.stdout is not None
@@ -119,7 +154,7 @@ class ControlPlane:
 
 def kubectl(kubeconfig: Path | str, *args: str, input: str | None = None, check: bool = True):
     """Run the kubectl built from the same release, with this kubeconfig."""
-    _, binary = ensure_built()
+    binary = ensure_built().kubectl
     return subprocess.run(
         [str(binary), "--kubeconfig", str(kubeconfig), *args],
         input=input,
@@ -130,15 +165,11 @@ def kubectl(kubeconfig: Path | str, *args: str, input: str | None = None, check:
 
 
 def _up(state_dir: Path) -> int:
-    from node import NodeAgent  # e2e/node.py, next to this file
+    """The control plane and, where it can run (root, the Debian packages), the real node with
+    both images built and imported (e2e/realnode.py); until SIGTERM / Ctrl-C, then all torn down."""
+    import images
+    import runtime
 
-    cp = ControlPlane.start(state_dir)
-    agent = NodeAgent(cp.kubeconfig, log_dir=state_dir / "pods")
-    agent.start()
-    print(cp.kubeconfig, flush=True)
-    print(
-        f"control plane up in {cp.startup_s:.1f}s at {cp.server}; stop with Ctrl-C or `down`", file=sys.stderr
-    )
     stop = False
 
     def handler(*_):
@@ -147,10 +178,35 @@ def _up(state_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    while not stop and cp.proc.poll() is None:
-        time.sleep(0.5)
-    agent.stop()
-    return cp.stop()
+
+    def serve(cp: ControlPlane, what: str) -> None:
+        print(cp.kubeconfig, flush=True)
+        print(f"{what} up at {cp.server}; stop with Ctrl-C or `down`", file=sys.stderr)
+        while not stop and cp.proc.poll() is None:
+            time.sleep(0.5)
+
+    reason = runtime.unavailable()
+    if reason:
+        print(f"no real node ({reason}): the control plane alone, pods stay Pending", file=sys.stderr)
+        cp = ControlPlane.start(state_dir)
+        serve(cp, "control plane")
+        return cp.stop()
+    from realnode import real_cluster
+
+    ledger = runtime.Ledger(runtime.RUN_DIR / "ledger.json")
+    ledger.teardown()  # what a killed run left behind
+    try:
+        rt = runtime.Runtimes(ledger, state_dir / "runtimes").start()
+
+        def log(message: str) -> None:  # stdout carries the kubeconfig path alone
+            print(message, file=sys.stderr, flush=True)
+
+        built = images.build(rt, log)
+        with real_cluster(state_dir, rt, built, log) as (cp, node):
+            serve(cp, f"control plane and node (ready in {node.startup_s:.0f}s)")
+    finally:
+        ledger.teardown()
+    return 0
 
 
 def _down(state_dir: Path) -> int:

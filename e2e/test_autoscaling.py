@@ -1,11 +1,14 @@
-"""The autoscaler end to end: real control plane, the operator under its RBAC, real worker processes.
+"""The autoscaler end to end on the real node: the operator in its pod under its RBAC, worker
+pods from the worker image, run and probed by the kubelet.
 
-A load generator (playing the Service: it sends only to ready, non-terminating pods) pushes the
-one worker's KV-cache usage over target; the operator scales the Deployment up, a new worker
-starts, becomes ready and takes load. Then the heavy load stops; a light load stays, heavier on
-the new worker than on the old one; after the down-window the operator scales down, marking the
-least-loaded pod (the old one, which the ReplicaSet controller would otherwise keep) with
-pod-deletion-cost; that pod drains and goes. Every request of the run must succeed.
+A load generator (playing a load-balancing gateway: it sends to the addresses of ready,
+non-terminating pods, least outstanding requests first) pushes the one worker's KV-cache usage
+over target; the operator scales the Deployment up, a new worker starts, becomes ready and takes
+load. Then the heavy load stops; a light load stays, heavier on the new worker than on the old
+one, plus one client through the Service's ClusterIP (kube-proxy); after the down-window the
+operator scales down, marking the least-loaded pod (the old one, which the ReplicaSet controller
+would otherwise keep) with pod-deletion-cost; the kubelet runs its preStop, sends SIGTERM and the
+worker drains and goes. Every request of the run, through the ClusterIP too, must succeed.
 """
 
 from __future__ import annotations
@@ -50,21 +53,36 @@ class Load:
         }
 
     def start(
-        self, streams: int, prompt_len: int, max_tokens: int, only: str | None = None
+        self,
+        streams: int,
+        prompt_len: int,
+        max_tokens: int,
+        only: str | None = None,
+        via: str | None = None,
     ) -> threading.Event:
+        """`streams` clients; `only`: to that pod alone; `via`: to that address (a ClusterIP),
+        counted under the name "service"."""
         stop = threading.Event()
         for i in range(streams):
             t = threading.Thread(
-                target=self._client, args=(stop, prompt_len, max_tokens, only, i), daemon=True
+                target=self._client, args=(stop, prompt_len, max_tokens, only, via, i), daemon=True
             )
             t.start()
             self._threads.append((t, stop))
         return stop
 
-    def _client(self, stop: threading.Event, prompt_len: int, max_tokens: int, only: str | None, seed: int):
+    def _client(
+        self,
+        stop: threading.Event,
+        prompt_len: int,
+        max_tokens: int,
+        only: str | None,
+        via: str | None,
+        seed: int,
+    ):
         rng = random.Random(seed)
         while not stop.is_set():
-            pods = self.serving_pods()
+            pods = {"service": via} if via is not None else self.serving_pods()
             if only is not None:
                 pods = {k: v for k, v in pods.items() if k == only}
             if not pods:
@@ -113,7 +131,7 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     namespace,  # noqa: F811
 ):
     if not operator.local:
-        pytest.skip("drives worker processes on the node stand-in")
+        pytest.skip("mounts the fixture model from this machine")
     ns, name = namespace, "auto"
     doc = example(name, ns)
     del doc["spec"]["replicas"]
@@ -158,8 +176,11 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     # the heavy load winds down, so no moment of the down-window sees the workers idle.
     light_new = load.start(streams=3, prompt_len=40, max_tokens=64, only=second)
     light_old = load.start(streams=1, prompt_len=40, max_tokens=64, only=first)
-    heavy.set()  # each heavy client finishes its request in flight, then stops
     core = client.CoreV1Api(operator.api)
+    service = core.read_namespaced_service(name, ns).spec
+    assert service.ports[0].port == 8000
+    via_service = load.start(streams=1, prompt_len=40, max_tokens=16, via=service.cluster_ip)
+    heavy.set()  # each heavy client finishes its request in flight, then stops
     marked = []
 
     def scaled_down():
@@ -179,13 +200,19 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     load.stop(light_old)
     time.sleep(2)  # the remaining worker keeps serving
     load.stop(light_new)
+    load.stop(via_service)
 
     assert marked == [first]
     decisions = get_cr(operator, name, ns)["status"]["autoscaling"]["lastDecisions"]
     assert [(d["fromReplicas"], d["toReplicas"]) for d in decisions] == [(1, 2), (2, 1)]
     assert decisions[1]["reason"].endswith(f"removing {first}")
     assert not load.errors, load.errors[:5]
-    assert load.served(first) > 0 and load.served(second) > 0
+    assert load.served(first) > 0 and load.served(second) > 0 and load.served("service") > 0
+    # The kubelet ran the removed pod's preStop hook and its drain ended the process itself.
+    events = operator.kubectl(
+        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={first}"
+    ).stdout
+    assert "Killing" in events and "FailedPreStopHook" not in events, events
     printed = operator.kubectl("get", "infd", name, "-n", ns).stdout
     assert "KV USAGE" in printed
     events = operator.kubectl("get", "events", "-n", ns, "--field-selector", "reason=Scaled").stdout

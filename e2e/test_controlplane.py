@@ -1,19 +1,24 @@
 """The test cluster is a real Kubernetes: schema and CEL validation, controllers, garbage
-collection, RBAC, and pods that run (on the node stand-in when the cluster is local)."""
+collection, RBAC. (Pods that run: e2e/test_realnode.py.)"""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 from kubernetes import client
+from runtime import PAUSE_IMAGE
 
 TESTDATA = Path(__file__).parent / "testdata"
+
+
+def sleeper_image(cluster) -> str:
+    """An image the cluster has without a registry: locally the pause image the real node
+    imported (pods stay Pending without a node, which these tests allow)."""
+    return "busybox" if not cluster.local else PAUSE_IMAGE
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.25, what: str = "condition"):
@@ -77,7 +82,14 @@ def test_deployment_creates_replicaset_and_pods_and_deletion_collects_them(clust
                 metadata=client.V1ObjectMeta(labels=labels),
                 spec=client.V1PodSpec(
                     termination_grace_period_seconds=2,
-                    containers=[client.V1Container(name="main", image="busybox", command=["sleep", "3600"])],
+                    containers=[
+                        client.V1Container(
+                            name="main",
+                            image=sleeper_image(cluster),
+                            image_pull_policy="IfNotPresent",
+                            command=None if cluster.local else ["sleep", "3600"],
+                        )
+                    ],
                 ),
             ),
         ),
@@ -119,18 +131,11 @@ def test_rbac_refuses_a_verb_the_role_lacks(cluster, namespace, tmp_path):
         "-n",
         namespace,
     )
+    sleep = [] if cluster.local else ["--command", "--", "sleep", "3600"]
     cluster.kubectl(
-        "run",
-        "victim",
-        "--image=busybox",
-        "--restart=Never",
-        "-n",
-        namespace,
-        "--command",
-        "--",
-        "sleep",
-        "3600",
-    )
+        "run", "victim", f"--image={sleeper_image(cluster)}", "--image-pull-policy=IfNotPresent",
+        "--restart=Never", "-n", namespace, *sleep,
+    )  # fmt: skip
     token = cluster.kubectl("create", "token", "reader", "-n", namespace).stdout.strip()
     # A kubeconfig with only the token: the admin client certificate would authenticate first.
     admin = cluster.kubectl("config", "view", "--raw", "--minify", "-o", "json")
@@ -165,52 +170,3 @@ def test_rbac_refuses_a_verb_the_role_lacks(cluster, namespace, tmp_path):
     other = kubectl(as_reader, "get", "pods", "-n", "default", check=False)
     assert other.returncode != 0 and "Forbidden" in other.stderr
     assert cluster.kubectl("get", "pod", "victim", "-n", namespace).returncode == 0  # still there
-
-
-def test_node_stand_in_runs_the_pod_command_on_loopback_and_reports_ready(cluster, namespace):
-    if not cluster.local:
-        pytest.skip("the node stand-in only runs on the local control plane")
-    core = client.CoreV1Api(cluster.api)
-    pod = client.V1Pod(
-        metadata=client.V1ObjectMeta(name="web"),
-        spec=client.V1PodSpec(
-            termination_grace_period_seconds=5,
-            containers=[
-                client.V1Container(
-                    name="web",
-                    image="python",
-                    command=[Path(sys.executable).name, "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
-                    env=[
-                        client.V1EnvVar(
-                            name="POD_IP",
-                            value_from=client.V1EnvVarSource(
-                                field_ref=client.V1ObjectFieldSelector(field_path="status.podIP")
-                            ),
-                        )
-                    ],
-                    ports=[client.V1ContainerPort(container_port=8080, name="http")],
-                    readiness_probe=client.V1Probe(
-                        http_get=client.V1HTTPGetAction(path="/", port="http"), period_seconds=1
-                    ),
-                )
-            ],
-        ),
-    )
-    core.create_namespaced_pod(namespace, pod)
-
-    def ready():
-        p = core.read_namespaced_pod("web", namespace)
-        conditions = {c.type: c.status for c in p.status.conditions or []}
-        return p if conditions.get("Ready") == "True" else None
-
-    running = wait_for(ready, timeout=60, what="the pod to turn Ready")
-    ip = running.status.pod_ip
-    assert running.spec.node_name == "kvscale-node-0" and running.status.phase == "Running"
-    assert ip.startswith("127.0.0.") and ip != "127.0.0.1"
-    with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as r:
-        assert r.status == 200  # the real process answers on the pod's own address
-
-    core.delete_namespaced_pod("web", namespace)
-    wait_for(lambda: not core.list_namespaced_pod(namespace).items, what="the pod to be gone")
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://{ip}:8080/", timeout=2)

@@ -1,14 +1,19 @@
-"""The operator against a real API server: the CRD refuses bad resources, an InferenceDeployment
-becomes running worker pods that answer completions, spec changes roll out, status tells the truth,
-restarts converge without touching unchanged children, deletion collects everything, and the
-operator does all of it under the RBAC of manifests/ (checked in the API server's audit log)."""
+"""The operator on the real node: its own pod from its image, under the ServiceAccount and RBAC
+of manifests/. The CRD refuses bad resources; manifests/examples/ becomes worker pods (the worker
+image, the fixture model mounted from a PersistentVolume through `pvc://`) that the kubelet's
+probes turn Ready and that answer completions through the Service's ClusterIP (kube-proxy);
+spec changes roll out, status tells the truth, restarts converge without touching unchanged
+children, deletion collects everything, and the operator does all of it under its RBAC (checked
+in the API server's audit log)."""
 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 import uuid
@@ -17,8 +22,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from images import WORKER_IMAGE
 from kubernetes import client
-from model_fixtures import TARGET
+from model_fixtures import SHARED_MODELS, TARGET
+from realnode import POD_CIDR, SERVICE_CIDR
 from test_controlplane import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +36,9 @@ GROUP, VERSION, PLURAL = "kvscale.dev", "v1alpha1", "inferencedeployments"
 
 @pytest.fixture(scope="module")
 def operator(cluster):
-    """crds/ and manifests/ applied as a user would; the operator pods run (on the node stand-in,
-    under the ServiceAccount of manifests/) until one holds the lease."""
+    """crds/ and manifests/ applied as a user would; the operator pods run (from the operator
+    image, under the ServiceAccount of manifests/) until one holds the lease."""
+    cluster.require_node()
     if not TARGET.is_dir():
         pytest.skip("needs ../shared/models/tiny-code-target for the worker pods")
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
@@ -49,18 +57,75 @@ def operator(cluster):
     return cluster
 
 
+MODELS_CLAIM = "models"  # in each test namespace: ../shared/models, read-only
+
+
+def models_volume(cluster, namespace: str, host_path: Path, claim: str = MODELS_CLAIM) -> None:
+    """A hostPath PersistentVolume of host_path bound to the claim `claim` in namespace: workers
+    mount it for `pvc://CLAIM/...` (the PV goes with the namespace, see `namespace`)."""
+    pv = f"{claim}-{namespace}"
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv, "labels": {"kvscale.dev/test-namespace": namespace}},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(host_path.resolve()), "type": "Directory"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    ]
+    for doc in docs:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+    wait_for(
+        lambda: (
+            cluster.kubectl("get", "pvc", claim, "-n", namespace, "-o", "jsonpath={.status.phase}").stdout
+            == "Bound"
+        ),
+        timeout=60,
+        what=f"the claim {claim} to bind",
+    )
+
+
 @pytest.fixture
 def namespace(operator):
     name = f"op-{uuid.uuid4().hex[:6]}"
     operator.kubectl("create", "namespace", name)
+    if operator.local:
+        models_volume(operator, name, SHARED_MODELS)
     yield name
     operator.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    if operator.local:
+        operator.kubectl(
+            "delete", "pv", "-l", f"kvscale.dev/test-namespace={name}", "--wait=false", check=False
+        )
+
+
+# Per worker: two workers and a rollout's surge (three) plus both operator pods fit the node's
+# two CPUs; the kubelet enforces the limit (requests = limits).
+WORKER_RESOURCES = {"cpu": "500m", "memory": "2Gi"}
 
 
 def example(name: str, namespace: str, **spec_overrides) -> dict:
     doc = yaml.safe_load((REPO / "manifests" / "examples" / "tiny-cpu.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": namespace}
-    doc["spec"]["model"]["uri"] = str(TARGET)  # the stand-in node runs workers on this machine
+    doc["spec"]["model"]["uri"] = f"pvc://{MODELS_CLAIM}/{TARGET.name}"  # the fixture model, from its PV
+    doc["spec"]["resources"] = dict(WORKER_RESOURCES)
     for key, value in spec_overrides.items():
         doc["spec"][key] = value
     return doc
@@ -105,12 +170,13 @@ def children_versions(cluster, name: str, namespace: str) -> dict[str, str]:
     }
 
 
-def complete(pod_ip: str, served_name: str) -> dict:
+def complete(address: str, served_name: str) -> dict:
+    """A completion from the worker(s) at address (host:port: a ClusterIP, or a pod)."""
     body = json.dumps(
         {"model": served_name, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
     )
     request = urllib.request.Request(
-        f"http://{pod_ip}:8000/v1/completions", body.encode(), {"Content-Type": "application/json"}
+        f"http://{address}/v1/completions", body.encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=30) as r:
         return json.loads(r.read())
@@ -153,7 +219,7 @@ def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, sp
 
 def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operator, namespace):
     if not operator.local:
-        pytest.skip("runs the fixture model on the node stand-in")
+        pytest.skip("mounts the fixture model from this machine")
     doc = example("tiny", namespace)
     apply(operator, doc)
     cr = wait_ready(operator, "tiny", namespace, replicas=2)
@@ -177,9 +243,22 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
         (ref,) = child.metadata.owner_references
         assert (ref.kind, ref.name, ref.uid, ref.controller) == ("InferenceDeployment", "tiny", uid, True)
     pods = core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
-    assert len(pods) == 2 and all(p.status.pod_ip.startswith("127.0.0.") for p in pods)
-    answer = complete(pods[0].status.pod_ip, "tiny")
-    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+    pod_net = ipaddress.ip_network(POD_CIDR)
+    assert len(pods) == 2 and all(ipaddress.ip_address(p.status.pod_ip) in pod_net for p in pods)
+    for pod in pods:  # the kubelet ran the image as the securityContext says, the model from its PV
+        (worker,) = pod.spec.containers
+        assert worker.image == WORKER_IMAGE and worker.security_context.read_only_root_filesystem
+        assert pod.spec.security_context.run_as_user == 1000
+        assert "/models/models/tiny-code-target" in worker.args
+        assert [
+            v.persistent_volume_claim.claim_name for v in pod.spec.volumes if v.persistent_volume_claim
+        ] == [MODELS_CLAIM]
+        assert pod.status.container_statuses[0].ready and pod.status.container_statuses[0].started
+    service = core.read_namespaced_service("tiny", namespace)
+    assert ipaddress.ip_address(service.spec.cluster_ip) in ipaddress.ip_network(SERVICE_CIDR)
+    for _ in range(4):  # through kube-proxy's rules, to either worker
+        answer = complete(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "tiny")
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
     printed = operator.kubectl("get", "infd", "tiny", "-n", namespace).stdout
     assert "2/2" in printed and "AllWorkersReady" in printed
     events = operator.kubectl(
@@ -194,7 +273,23 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
     assert children_versions(operator, "tiny", namespace) == before
 
     # An engine change rolls the workers through the Deployment: Progressing, then Ready again.
+    # ... under load through the ClusterIP: the kubelet runs each old pod's preStop, SIGTERM and
+    # drain while kube-proxy moves the traffic to the new ones; no request may fail.
     old_pods = {p.metadata.name for p in pods}
+    outcomes: list[str] = []
+    stop_load = threading.Event()
+
+    def load() -> None:
+        while not stop_load.is_set():
+            try:
+                answer = complete(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "tiny")
+                outcomes.append("ok" if answer["usage"]["completion_tokens"] == 8 else str(answer))
+            except Exception as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+
+    clients = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+    for t in clients:
+        t.start()
     changed = copy.deepcopy(doc)
     changed["spec"]["engine"]["maxNumSeqs"] = 8
     apply(operator, changed)
@@ -205,6 +300,16 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
         what="Progressing=True during the rollout",
     )
     cr = wait_ready(operator, "tiny", namespace, replicas=2)
+    wait_for(
+        lambda: not any(p.metadata.name in old_pods for p in core.list_namespaced_pod(namespace).items),
+        timeout=120,
+        what="the old workers to drain and go",
+    )
+    stop_load.set()
+    for t in clients:
+        t.join(timeout=60)
+    failed = [o for o in outcomes if o != "ok"]
+    assert outcomes and not failed, failed[:5]
     assert condition(cr, "Progressing")["status"] == "False"
     new_pods = core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
     new_pods = [p for p in new_pods if p.metadata.deletion_timestamp is None]
@@ -232,12 +337,12 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
 
 def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operator, namespace):
     if not operator.local:
-        pytest.skip("kills the operator process on the node stand-in")
+        pytest.skip("kills the operator's process on the local node")
     core = client.CoreV1Api(operator.api)
     coord = client.CoordinationV1Api(operator.api)
     leader = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
     pod = core.read_namespaced_pod(leader, OPERATOR_NS)
-    pid = int(pod.status.container_statuses[0].container_id.rsplit("/", 1)[1])
+    pid = operator.node.container_pid(pod.status.container_statuses[0].container_id)
 
     apply(operator, example("crash", namespace, replicas=1))
     wait_for(
@@ -273,8 +378,6 @@ def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operato
 
 
 def test_only_the_lease_holder_acts(operator):
-    if not operator.local:
-        pytest.skip("reads the operator processes' logs on the node stand-in")
     pods = client.CoreV1Api(operator.api).list_namespaced_pod(
         OPERATOR_NS, label_selector="app.kubernetes.io/name=kvscale-operator"
     )
@@ -286,8 +389,7 @@ def test_only_the_lease_holder_acts(operator):
         .spec.holder_identity
     )
     logs = {
-        p.metadata.name: (operator.state_dir / "pods" / f"{OPERATOR_NS}_{p.metadata.name}.log").read_text()
-        for p in running
+        p.metadata.name: operator.kubectl("logs", p.metadata.name, "-n", OPERATOR_NS).stdout for p in running
     }
     standby = [name for name in logs if name != leader]
     assert leader in logs and len(standby) == 1

@@ -3,8 +3,11 @@
 // It starts, in-process and built from the upstream Go modules of one release: etcd (embedded,
 // data under --dir), kube-apiserver (secure port on 127.0.0.1, its own CA, serving and admin
 // client certificates, RBAC and Node authorisation, service-account token signing) and
-// kube-controller-manager (the controllers a Deployment / Service / PDB / HPA needs). No scheduler
-// and no kubelet: the Python harness (e2e/cluster.py) plays the node.
+// kube-controller-manager (the controllers a Deployment / Service / PDB / HPA / PVC needs). No
+// scheduler and no kubelet here: the Python harness (e2e/cluster.py, e2e/realnode.py) runs them,
+// built from the same module set. With --address set to an address pods can reach (the test
+// node's bridge), the API server binds and advertises it, reconciles the `kubernetes` Service's
+// endpoint and carries it and the first Service IP in its certificate, so pods can use it.
 //
 // When everything answers it writes an admin kubeconfig and prints one line,
 //
@@ -52,26 +55,54 @@ var controllers = []string{
 	"horizontal-pod-autoscaler-controller",
 	"root-ca-certificate-publisher-controller",
 	"pod-garbage-collector-controller",
+	"persistentvolume-binder-controller",
+	"persistentvolume-protection-controller",
+	"persistentvolumeclaim-protection-controller",
 }
+
+// With a real kubelet (--node-lifecycle): the controller that lifts the node's not-ready taint
+// once the kubelet reports Ready (and taints a node whose kubelet stops reporting).
+var nodeControllers = []string{"node-lifecycle-controller"}
 
 func main() {
 	dir := flag.String("dir", "", "state directory (etcd data, certificates, kubeconfig); created if missing")
-	port := flag.Int("port", 0, "kube-apiserver secure port on 127.0.0.1 (0: a free one)")
+	port := flag.Int("port", 0, "kube-apiserver secure port (0: a free one)")
+	address := flag.String("address", "127.0.0.1", "kube-apiserver bind and advertise address")
+	serviceCIDR := flag.String("service-cidr", "10.96.0.0/16", "the Service ClusterIP range")
+	nodeLifecycle := flag.Bool("node-lifecycle", false, "also run the node-lifecycle controller (a real kubelet)")
 	verbosity := flag.Int("v", 0, "log verbosity of the Kubernetes components")
 	flag.Parse()
 	if *dir == "" {
 		fmt.Fprintln(os.Stderr, "--dir is required")
 		os.Exit(2)
 	}
-	if err := run(*dir, *port, *verbosity); err != nil {
+	o := options{address: *address, serviceCIDR: *serviceCIDR, nodeLifecycle: *nodeLifecycle, verbosity: *verbosity}
+	if err := run(*dir, *port, o); err != nil {
 		fmt.Fprintln(os.Stderr, "error:", err)
 		os.Exit(1)
 	}
 }
 
-func run(dir string, port, verbosity int) error {
+type options struct {
+	address, serviceCIDR string
+	nodeLifecycle        bool
+	verbosity            int
+}
+
+func run(dir string, port int, o options) error {
+	verbosity := o.verbosity
+	bind := net.ParseIP(o.address)
+	if bind == nil {
+		return fmt.Errorf("--address %q is not an IP address", o.address)
+	}
+	_, services, err := net.ParseCIDR(o.serviceCIDR)
+	if err != nil {
+		return fmt.Errorf("--service-cidr: %w", err)
+	}
+	firstServiceIP := append(net.IP(nil), services.IP.To4()...)
+	firstServiceIP[3]++
 	started := time.Now()
-	dir, err := filepath.Abs(dir)
+	dir, err = filepath.Abs(dir)
 	if err != nil {
 		return err
 	}
@@ -86,16 +117,17 @@ func run(dir string, port, verbosity int) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
-	pki, err := ensurePKI(filepath.Join(dir, "pki"))
+	sans := []net.IP{net.ParseIP("127.0.0.1"), bind, firstServiceIP}
+	pki, err := ensurePKI(filepath.Join(dir, "pki"), sans)
 	if err != nil {
 		return fmt.Errorf("certificates: %w", err)
 	}
 	if port == 0 {
-		if port, err = freePort(); err != nil {
+		if port, err = freePortOn(o.address); err != nil {
 			return err
 		}
 	}
-	server := fmt.Sprintf("https://127.0.0.1:%d", port)
+	server := "https://" + net.JoinHostPort(o.address, fmt.Sprint(port))
 
 	etcd, etcdURL, err := startEtcd(filepath.Join(dir, "etcd"))
 	if err != nil {
@@ -108,7 +140,7 @@ func run(dir string, port, verbosity int) error {
 		return err
 	}
 	apiserverDone := make(chan error, 1)
-	go func() { apiserverDone <- runAPIServer(ctx, apiserverArgs(pki, port, etcdURL, audit, verbosity)) }()
+	go func() { apiserverDone <- runAPIServer(ctx, apiserverArgs(pki, port, etcdURL, audit, o)) }()
 	if err := waitReady(ctx, server, pki, apiserverDone); err != nil {
 		return fmt.Errorf("kube-apiserver: %w", err)
 	}
@@ -118,7 +150,7 @@ func run(dir string, port, verbosity int) error {
 		return err
 	}
 	kcmDone := make(chan error, 1)
-	go func() { kcmDone <- runControllerManager(ctx, kcmArgs(pki, kubeconfig, verbosity)) }()
+	go func() { kcmDone <- runControllerManager(ctx, kcmArgs(pki, kubeconfig, o)) }()
 
 	fmt.Printf("KVSCALE_CONTROLPLANE_READY kubeconfig=%s server=%s startup_s=%.2f\n",
 		kubeconfig, server, time.Since(started).Seconds())
@@ -151,16 +183,24 @@ func writeAuditPolicy(dir string) (auditFiles, error) {
 	return a, os.WriteFile(a.policy, []byte(policy), 0o600)
 }
 
-func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, verbosity int) []string {
+func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, o options) []string {
+	// The default endpoint reconciler refuses a loopback address; on loopback nothing needs the
+	// endpoints of the `kubernetes` Service. On an address pods reach, they use it (in-cluster
+	// clients, through kube-proxy).
+	reconciler := "lease"
+	if net.ParseIP(o.address).IsLoopback() {
+		reconciler = "none"
+	}
 	return []string{
 		"--audit-policy-file=" + audit.policy,
 		"--audit-log-path=" + audit.log,
 		"--audit-log-maxsize=200",
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		// The default endpoint reconciler refuses a loopback address; nothing here needs the
-		// endpoints of the `kubernetes` Service.
-		"--endpoint-reconciler-type=none",
+		"--bind-address=" + o.address,
+		"--advertise-address=" + o.address,
+		"--endpoint-reconciler-type=" + reconciler,
+		// The kubelet (logs, exec, port-forward) is dialled at the node's InternalIP, not by its
+		// name, which need not resolve.
+		"--kubelet-preferred-address-types=InternalIP",
 		fmt.Sprintf("--secure-port=%d", port),
 		"--etcd-servers=" + etcdURL,
 		"--tls-cert-file=" + p.serverCert,
@@ -171,21 +211,25 @@ func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, verbo
 		"--service-account-signing-key-file=" + p.saKey,
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--api-audiences=https://kubernetes.default.svc",
-		"--service-cluster-ip-range=10.96.0.0/16",
+		"--service-cluster-ip-range=" + o.serviceCIDR,
 		"--enable-admission-plugins=NodeRestriction",
 		"--enable-priority-and-fairness=false",
 		"--shutdown-delay-duration=0s",
 		"--profiling=false",
-		fmt.Sprintf("--v=%d", verbosity),
+		fmt.Sprintf("--v=%d", o.verbosity),
 	}
 }
 
-func kcmArgs(p pkiPaths, kubeconfig string, verbosity int) []string {
+func kcmArgs(p pkiPaths, kubeconfig string, o options) []string {
+	enabled := controllers
+	if o.nodeLifecycle {
+		enabled = append(append([]string(nil), controllers...), nodeControllers...)
+	}
 	return []string{
 		"--kubeconfig=" + kubeconfig,
 		"--authentication-kubeconfig=" + kubeconfig,
 		"--authorization-kubeconfig=" + kubeconfig,
-		"--controllers=" + strings.Join(controllers, ","),
+		"--controllers=" + strings.Join(enabled, ","),
 		"--service-account-private-key-file=" + p.saKey,
 		"--root-ca-file=" + p.caCert,
 		"--use-service-account-credentials=false",
@@ -194,7 +238,7 @@ func kcmArgs(p pkiPaths, kubeconfig string, verbosity int) []string {
 		"--secure-port=0",
 		// Fast reaction for tests: the garbage collector and the HPA sync more often.
 		"--horizontal-pod-autoscaler-sync-period=5s",
-		fmt.Sprintf("--v=%d", verbosity),
+		fmt.Sprintf("--v=%d", o.verbosity),
 	}
 }
 
@@ -321,8 +365,10 @@ func adminHTTPClient(p pkiPaths) (*http.Client, error) {
 	}, nil
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+func freePort() (int, error) { return freePortOn("127.0.0.1") }
+
+func freePortOn(address string) (int, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort(address, "0"))
 	if err != nil {
 		return 0, err
 	}

@@ -30,7 +30,9 @@ type pkiPaths struct {
 	saKey, saPub          string
 }
 
-func ensurePKI(dir string) (pkiPaths, error) {
+// ensurePKI makes the CA and certificates once per state directory; sans are the serving
+// certificate's IP addresses (loopback, the bind address, the first Service IP).
+func ensurePKI(dir string, sans []net.IP) (pkiPaths, error) {
 	p := pkiPaths{
 		caCert: filepath.Join(dir, "ca.crt"), caKey: filepath.Join(dir, "ca.key"),
 		serverCert: filepath.Join(dir, "apiserver.crt"), serverKey: filepath.Join(dir, "apiserver.key"),
@@ -74,7 +76,7 @@ func ensurePKI(dir string) (pkiPaths, error) {
 		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 		DNSNames:     []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
-		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")},
+		IPAddresses:  sans,
 	}
 	if err := issue(p.serverCert, p.serverKey, serving, ca, caKey); err != nil {
 		return p, err

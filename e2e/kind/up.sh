@@ -6,7 +6,8 @@
 # Environment (all optional):
 #   KIND_CLUSTER                 cluster name (default: kvscale)
 #   KIND_NODE_IMAGE              node image instead of the one pinned in cluster.yaml
-#   KVSCALE_IMAGE                image built from ./Dockerfile, for operator and worker (default: kvscale:dev)
+#   KVSCALE_OPERATOR_IMAGE       the Dockerfile's `operator` target (default: ghcr.io/kvscale/kvscale-operator:0.1.0)
+#   KVSCALE_WORKER_IMAGE         the Dockerfile's `worker` target (default: ghcr.io/kvscale/kvscale-worker:0.1.0)
 #   KVSCALE_NAMESPACE            namespace of the operator in manifests/ (default: kvscale-system)
 #   KVSCALE_OPERATOR_DEPLOYMENT  the operator's Deployment in manifests/ (default: kvscale-operator)
 #
@@ -17,9 +18,12 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here/../.."  # the repository root: every path below is relative to it
 
 cluster="${KIND_CLUSTER:-kvscale}"
-# Not ':latest': for a ':latest' tag the kubelet defaults to imagePullPolicy Always and would try
-# to pull from a registry an image that exists only inside the kind nodes.
-image="${KVSCALE_IMAGE:-kvscale:dev}"
+# The same two images, under the same names, as the local real node (e2e/images.py): the names
+# manifests/ uses, so the operator Deployment runs unchanged. Not ':latest': for a ':latest' tag
+# the kubelet defaults to imagePullPolicy Always and would try to pull from a registry an image
+# that exists only inside the kind nodes.
+operator_image="${KVSCALE_OPERATOR_IMAGE:-ghcr.io/kvscale/kvscale-operator:0.1.0}"
+worker_image="${KVSCALE_WORKER_IMAGE:-ghcr.io/kvscale/kvscale-worker:0.1.0}"
 namespace="${KVSCALE_NAMESPACE:-kvscale-system}"
 operator="${KVSCALE_OPERATOR_DEPLOYMENT:-kvscale-operator}"
 example="manifests/examples/tiny-cpu.yaml"
@@ -34,7 +38,7 @@ for tool in docker kind kubectl; do
     command -v "$tool" >/dev/null || die "'$tool' is not on PATH (prerequisites: e2e/kind/README.md)"
 done
 [[ -f Dockerfile ]] ||
-    die "no Dockerfile at the repository root: the image (operator + worker) cannot be built yet"
+    die "no Dockerfile at the repository root: the images (operator, worker) cannot be built yet"
 [[ -f manifests/kustomization.yaml || -f manifests/kustomization.yml || -f manifests/Kustomization ]] ||
     die "no kustomization in manifests/: the operator's kustomize base is missing"
 compgen -G 'crds/*.yaml' >/dev/null || die "no CRD YAML in crds/"
@@ -59,26 +63,29 @@ fi
 kind get kubeconfig --name "$cluster" >"$kubeconfig"
 kubectl wait --for=condition=Ready nodes --all --timeout=3m
 
-step "building $image from ./Dockerfile"
 # The build context is the repository root, where .venv (PyTorch, gigabytes) also lives.
 grep -qsE '^/?\.venv/?$' .dockerignore ||
     echo "e2e/kind/up.sh: warning: .dockerignore does not exclude .venv: the build context will be huge" >&2
-docker build --tag "$image" .
-# kind nodes have their own containerd and cannot see the host's images: copy it into each node.
-kind load docker-image "$image" --name "$cluster"
+for target in operator worker; do
+    image_var="${target}_image"
+    step "building ${!image_var} (--target $target) from ./Dockerfile"
+    DOCKER_BUILDKIT=1 docker build --target "$target" --tag "${!image_var}" .
+    # kind nodes have their own containerd and cannot see the host's images: copy it into each node.
+    kind load docker-image "${!image_var}" --name "$cluster"
+done
 
 step "installing the CRDs"
 kubectl apply --server-side --field-manager="$manager" -f crds/
 kubectl wait --for=condition=Established --timeout=60s -f crds/
 
-step "installing the operator (manifests/), image $image"
+step "installing the operator (manifests/), image $operator_image"
 # --force-conflicts: a rerun takes the image field back from 'kubectl set image' below.
 kubectl apply --server-side --force-conflicts --field-manager="$manager" -k manifests/
-# The base names a published image; point every container of the operator at the one just
-# loaded. '*' needs no container name. KVSCALE_WORKER_IMAGE is the operator's default image for
-# the worker pods it creates (a spec.image in an InferenceDeployment overrides it).
-kubectl -n "$namespace" set image "deployment/$operator" "*=$image"
-kubectl -n "$namespace" set env "deployment/$operator" "KVSCALE_WORKER_IMAGE=$image"
+# By default the names are manifests/' own and these change nothing; other names (a registry of
+# yours) point the operator at them. '*' needs no container name. KVSCALE_WORKER_IMAGE is the
+# operator's default image for the worker pods it creates (spec.image overrides it).
+kubectl -n "$namespace" set image "deployment/$operator" "*=$operator_image"
+kubectl -n "$namespace" set env "deployment/$operator" "KVSCALE_WORKER_IMAGE=$worker_image"
 # rollout status waits for the pods of the latest template (the one with our image), not for
 # whatever ReplicaSet happened to be available first.
 kubectl -n "$namespace" rollout status "deployment/$operator" --timeout=5m
@@ -98,4 +105,4 @@ step "running the end-to-end tests against kind cluster '$cluster'"
 # The contract with e2e/: when KVSCALE_E2E_KUBECONFIG is set, the e2e tests use the cluster it
 # points to instead of starting the local control plane (e2e/controlplane), and put
 # KVSCALE_E2E_IMAGE in the InferenceDeployments they create.
-KVSCALE_E2E_KUBECONFIG="$kubeconfig" KVSCALE_E2E_IMAGE="$image" .venv/bin/pytest e2e -q "$@"
+KVSCALE_E2E_KUBECONFIG="$kubeconfig" KVSCALE_E2E_IMAGE="$worker_image" .venv/bin/pytest e2e -q "$@"

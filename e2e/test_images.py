@@ -1,0 +1,115 @@
+"""The Dockerfile, built for real: both images from a locally made base, each started as a user
+would run it (uid 1000, read-only root filesystem, a tmpfs /tmp). The operator image imports every
+module the operator loads and starts; the worker image serves completions on the fixture model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+from model_fixtures import TARGET
+
+pytestmark = pytest.mark.slow
+
+LOCKED_DOWN = ["--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,size=256m", "--cap-drop", "ALL"]
+IDENTITY = (
+    "import os, pathlib; print(os.getuid(), os.getgid());"
+    "p = pathlib.Path('/opt/kvscale/x');"
+    "\ntry:\n p.write_text('x'); print('rootfs writable')\nexcept OSError as e:\n print('rootfs', e.strerror)"
+)
+
+
+def test_operator_image_imports_everything_it_loads_and_starts(images):
+    rt, built = images
+    image = built.images["operator"]
+    check = (
+        "import importlib, pkgutil, sys, kvscale.operator as op\n"
+        "mods = [m.name for m in pkgutil.walk_packages(op.__path__, 'kvscale.operator.')]\n"
+        "[importlib.import_module(m) for m in mods]\n"
+        "import kvscale.operator.main as main\n"
+        "assert main.main(['--log-format', 'json', 'crd']) == 0\n"  # the logging setup run uses too
+        "assert 'torch' not in sys.modules\n"
+        "print('imported', *sorted(m for m in sys.modules if m.startswith('kvscale')), file=sys.stderr)\n"
+    )
+    result = rt.docker(
+        "run", "--rm", "--network=none", *LOCKED_DOWN, "--entrypoint", "python", image, "-c", check,
+        capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for module in ("kvscale.operator.autoscaler", "kvscale.operator.handlers", "kvscale.operator.leader"):
+        assert module in result.stderr
+    assert "kind: CustomResourceDefinition" in result.stdout
+
+    # The entrypoint as the Deployment runs it: `run` with no cluster to talk to gets as far as
+    # loading the credentials, i.e. past every import, and says so.
+    result = rt.docker("run", "--rm", "--network=none", *LOCKED_DOWN, image, "--help", capture=True)
+    assert result.returncode == 0 and "kvscale-operator" in result.stdout, result.stderr
+    result = rt.docker(
+        "run", "--rm", "--network=none", *LOCKED_DOWN, image, "run", "--health-port", "0", capture=True
+    )
+    assert "ModuleNotFoundError" not in result.stderr and "ImportError" not in result.stderr, result.stderr
+    assert "kubernetes.config.config_exception.ConfigException" in result.stderr, result.stderr
+
+    result = rt.docker(
+        "run", "--rm", "--network=none", *LOCKED_DOWN, "--entrypoint", "python", image, "-c", IDENTITY,
+        capture=True,
+    )  # fmt: skip
+    assert result.stdout.split("\n")[:2] == ["1000 1000", "rootfs Read-only file system"], result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_image_serves_completions_on_the_fixture_model(images):
+    if not TARGET.is_dir():
+        pytest.skip(f"{TARGET} is missing")
+    rt, built = images
+    image, port = built.images["worker"], _free_port()
+    name = f"kvscale-worker-test-{port}"
+    result = rt.docker(
+        "run", "--detach", "--name", name, "--network=host", *LOCKED_DOWN,
+        "--volume", f"{TARGET}:/models/tiny-code-target:ro",
+        image, "serve", "--model", "/models/tiny-code-target", "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--num-kv-blocks", "256",
+        capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            state = rt.docker("inspect", "--format", "{{.State.Running}}", name, capture=True).stdout.strip()
+            assert state == "true" and time.monotonic() < deadline, rt.docker(
+                "logs", name, capture=True
+            ).stderr
+            time.sleep(0.5)
+        body = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+        request = urllib.request.Request(
+            f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+
+        result = rt.docker("exec", name, "python", "-c", IDENTITY, capture=True)
+        assert result.stdout.split("\n")[:2] == ["1000 1000", "rootfs Read-only file system"], result
+        config = json.loads(rt.docker("inspect", name, capture=True).stdout)[0]
+        assert config["HostConfig"]["ReadonlyRootfs"] is True and config["Config"]["User"] == "1000:1000"
+    finally:
+        stop = rt.docker("stop", "--time", "30", name, capture=True)
+        logs = rt.docker("logs", name, capture=True)
+        rt.docker("rm", "--force", name, capture=True)
+    assert stop.returncode == 0
+    assert "Traceback" not in logs.stderr, logs.stderr[-3000:]

@@ -1,0 +1,90 @@
+"""The kubelet acts on the probes the operator gives the workers: a worker that stops answering
+is restarted by its liveness probe; a worker that never finishes loading its model is restarted
+once the startup probe's budget (spec.server.startupTimeoutSeconds) is spent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+from kubernetes import client
+from model_fixtures import TARGET
+from test_controlplane import wait_for
+from test_operator import apply, example, models_volume, namespace, operator, wait_ready  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def worker_pod(cluster, ns: str, name: str):
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
+        ns, label_selector=f"kvscale.dev/inference-deployment={name}"
+    )
+    (pod,) = [p for p in pods.items if p.metadata.deletion_timestamp is None]
+    return pod
+
+
+def events_of(cluster, ns: str, pod: str) -> str:
+    return cluster.kubectl("get", "events", "-n", ns, "--field-selector", f"involvedObject.name={pod}").stdout
+
+
+def test_a_worker_that_stops_answering_is_restarted_by_its_liveness_probe(operator, namespace):  # noqa: F811
+    if not operator.local:
+        pytest.skip("freezes a worker process on the local node")
+    apply(operator, example("frozen", namespace, replicas=1))
+    wait_ready(operator, "frozen", namespace, replicas=1)
+    pod = worker_pod(operator, namespace, "frozen")
+    status = pod.status.container_statuses[0]
+    assert status.restart_count == 0
+    # The whole worker process stops (its engine thread included): /health no longer answers.
+    os.kill(operator.node.container_pid(status.container_id), signal.SIGSTOP)
+
+    def restarted():
+        p = worker_pod(operator, namespace, "frozen")
+        s = p.status.container_statuses[0]
+        return p if s.restart_count >= 1 and s.ready else None
+
+    # Liveness: every 10 s, 5 s timeout, 3 failures; then the kill, the restart and the model load.
+    again = wait_for(restarted, timeout=180, interval=1, what="the kubelet to restart the frozen worker")
+    assert again.metadata.uid == pod.metadata.uid  # the same pod: a container restart, not a new pod
+    events = events_of(operator, namespace, pod.metadata.name)
+    assert "Liveness probe failed" in events and "will be restarted" in events, events
+
+
+def test_a_worker_that_never_loads_is_restarted_after_the_startup_budget(operator, namespace, tmp_path):  # noqa: F811
+    if not operator.local:
+        pytest.skip("mounts a model folder made on this machine")
+    # The fixture model, but its weights are a FIFO nobody writes: loading blocks for ever while
+    # the server answers /health (alive) and /ready 503 (loading).
+    model = tmp_path / "models" / "never-loads"
+    model.mkdir(parents=True)
+    for f in TARGET.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, model / f.name)
+    os.mkfifo(model / "model.safetensors")
+    for path in (tmp_path, model.parent, model):
+        path.chmod(0o755)
+    models_volume(operator, namespace, model.parent, claim="stuck")
+    doc = example("stuck", namespace, replicas=1)
+    doc["spec"]["model"]["uri"] = "pvc://stuck/never-loads"
+    doc["spec"]["server"] = {"startupTimeoutSeconds": 10, "drainTimeoutSeconds": 2}
+    apply(operator, doc)
+
+    def restarted():
+        try:
+            p = worker_pod(operator, namespace, "stuck")
+        except ValueError:
+            return None
+        statuses = p.status.container_statuses or []
+        return p if statuses and statuses[0].restart_count >= 1 else None
+
+    pod = wait_for(restarted, timeout=240, interval=1, what="the kubelet to restart the never-loading worker")
+    status = pod.status.container_statuses[0]
+    assert not status.ready and not status.started
+    events = events_of(operator, namespace, pod.metadata.name)
+    assert "Startup probe failed" in events and "will be restarted" in events, events
+    assert "Liveness probe failed" not in events  # the startup probe held liveness off
+    client.CustomObjectsApi(operator.api).delete_namespaced_custom_object(
+        "kvscale.dev", "v1alpha1", namespace, "inferencedeployments", "stuck"
+    )
