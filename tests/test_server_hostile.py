@@ -26,7 +26,7 @@ from kvscale.worker.engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS, LLMEn
 from kvscale.worker.llm import LLM
 from kvscale.worker.model.model_runner import ModelRunner
 from kvscale.worker.sample.sampling_params import SamplingParams
-from kvscale.worker.server.api_server import ServerConfig, build_app
+from kvscale.worker.server.api_server import ServerConfig, build_app, engine_stuck
 from kvscale.worker.server.protocol import (
     MAX_CONTENT_PARTS,
     MAX_LOGPROBS,
@@ -306,7 +306,7 @@ def test_tool_calls_in_messages_are_400_not_dropped(client, model, message, para
 
 
 @contextmanager
-def in_process_server(model: str, **engine_args):
+def in_process_server(model: str, server_config: ServerConfig | None = None, **engine_args):
     """The real app (AsyncLLM + aiohttp) on a loop in a thread of this process, so a test can
     monkeypatch the engine's code; yields (base_url, llm)."""
     args = EngineArgs(model=model, **engine_args)
@@ -317,7 +317,8 @@ def in_process_server(model: str, **engine_args):
 
     async def start() -> None:
         llm = AsyncLLM(args, model)
-        runner = web.AppRunner(build_app(llm, args, ServerConfig()), handler_cancellation=True)
+        app = build_app(llm, args, server_config or ServerConfig())
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         await llm.start()
@@ -646,3 +647,51 @@ def test_largest_stop_list_slows_other_streams_by_under_10_percent(target_model)
         )
     )
     assert extra < 0.10 * step, (extra, step)
+
+
+# -- a stuck engine thread fails liveness --------------------------------------------------------
+
+
+def test_engine_stuck_is_a_step_outliving_the_timeout() -> None:
+    assert not engine_stuck(None, now=100.0, timeout=60.0)  # between steps
+    assert not engine_stuck(50.0, now=100.0, timeout=60.0)
+    assert engine_stuck(30.0, now=100.0, timeout=60.0)
+    assert not engine_stuck(0.0, now=100.0, timeout=0.0)  # 0: the check is off
+
+
+def test_health_fails_while_the_engine_thread_is_stuck_and_recovers(target_model, monkeypatch):
+    """A step that never returns (a hung kernel, a deadlock) leaves the process serving HTTP; only
+    /health turning red lets the kubelet's liveness probe restart the pod."""
+    release = threading.Event()
+    real = ModelRunner.execute_model
+
+    def execute_model(self, scheduled):
+        if any(r.sampling_params.seed == FAULTY_SEED for r in scheduled.requests):
+            release.wait(120)
+        return real(self, scheduled)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    config = ServerConfig(engine_iteration_timeout=1.0)
+    with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, llm):
+        assert raw(base_url, "/health")[0] == 200
+        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stuck = threading.Thread(
+            target=c.completions.create,
+            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED),
+            daemon=True,
+        )
+        stuck.start()
+        try:
+            deadline, status = time.monotonic() + 30, 200
+            while status == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                status, _, body = raw(base_url, "/health")
+            assert status == 500, "/health stayed green with the engine thread stuck"
+            assert json.loads(body) == {"status": "stuck"}
+        finally:
+            release.set()
+        stuck.join(60)
+        deadline = time.monotonic() + 30
+        while raw(base_url, "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert raw(base_url, "/health")[0] == 200 and llm.dead is None

@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("KVSCALE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
         drain_timeout=args.drain_timeout,
+        engine_iteration_timeout=args.engine_iteration_timeout,
     )
     return asyncio.run(serve(EngineArgs.from_cli_args(args), config))
 
@@ -145,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run after SIGTERM"
+    )
+    srv.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=60.0,
+        help="/health fails while one engine step runs longer than this (seconds; 0: never)",
     )
     srv.set_defaults(func=cmd_serve)
     return parser

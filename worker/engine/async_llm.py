@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ class AsyncLLM:
         self._num_submitted = 0
         self._num_taken = 0
         self._thread: threading.Thread | None = None
+        # When the step now running began (time.monotonic()); None between steps. Written by the
+        # engine thread only, read by liveness: a step that never returns is a stuck engine.
+        self.step_started: float | None = None
 
     # -- lifecycle (event loop side) ------------------------------------------------------------
     async def start(self) -> None:
@@ -185,7 +189,9 @@ class AsyncLLM:
                 self._publish_metrics()
                 self._wake.wait()
                 continue
+            self.step_started = time.monotonic()
             outputs = engine.step()
+            self.step_started = None
             self._publish_metrics()
             loop.call_soon_threadsafe(self._dispatch, outputs)
             for request_id, error in engine.take_failed().items():  # failed alone; the engine goes on
