@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from model_fixtures import TARGET
 
 from kvscale.worker import LLM, SamplingParams
+from kvscale.worker.core.block_pool import hash_block_tokens, root_hash
 from kvscale.worker.core.kv_cache_manager import cdiv
 
 pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="model pair missing")
@@ -39,11 +40,13 @@ def check_invariants(engine) -> None:
         blocks = kv.req_to_blocks[request.request_id]
         # No reservation for rejected proposals survives the step.
         assert len(blocks) <= cdiv(request.num_tokens, kv.block_size)
-        # The prefix index only ever holds blocks of verified tokens.
-        bs = kv.block_size
+        # The prefix index only ever holds blocks of verified tokens: each hashed block's hash is
+        # the chain over the request's own known tokens.
+        bs, parent = kv.block_size, root_hash(request.cache_salt)
         for i in range(kv.num_hashed_blocks[request.request_id]):
-            if blocks[i].token_ids is not None:
-                assert list(blocks[i].token_ids) == request.all_token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs])
+            if blocks[i].block_hash is not None:
+                assert blocks[i].block_hash == parent
     for request in engine.scheduler.waiting:
         assert request.request_id not in kv.req_to_blocks
 
