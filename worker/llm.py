@@ -7,7 +7,7 @@ from typing import Any
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
-from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator
+from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -54,11 +54,7 @@ class LLM:
                 for out in engine.step():
                     if out.request_id not in ours:
                         continue
-                    acc = running.get(out.request_id)
-                    if acc is None:
-                        acc = running[out.request_id] = RequestOutputAccumulator(out)
-                    else:
-                        acc.add(out)
+                    running[out.request_id] = add_delta(running.get(out.request_id), out)
                     if out.finished:
                         finished[out.request_id] = running.pop(out.request_id).get()
                 failed = [e for rid, e in engine.take_failed().items() if rid in ours]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
-from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator
+from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.metrics import EngineMetrics
 
@@ -147,10 +147,7 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:  # gone: the client left and its abort is on the way
                 continue
-            if stream.pending is None:
-                stream.pending = RequestOutputAccumulator(out)
-            else:
-                stream.pending.add(out)
+            stream.pending = add_delta(stream.pending, out)
             stream.event.set()
 
     def _fail_one(self, request_id: str, error: BaseException) -> None:

@@ -166,3 +166,11 @@ class RequestOutputAccumulator:
                 pieces[:] = ["".join(pieces)]
             outputs.append(replace(self._outputs[index], text=pieces[0]))
         return replace(self._request, outputs=outputs)
+
+
+def add_delta(acc: RequestOutputAccumulator | None, delta: RequestOutput) -> RequestOutputAccumulator:
+    """`delta` added to `acc`, or the first accumulator of a request when there is none yet."""
+    if acc is None:
+        return RequestOutputAccumulator(delta)
+    acc.add(delta)
+    return acc

@@ -28,6 +28,7 @@ from kvscale.worker.engine.outputs import (
     CompletionOutput,
     RequestOutput,
     RequestOutputAccumulator,
+    add_delta,
     merge_completion,
 )
 from kvscale.worker.sample.sampling_params import SamplingParams
@@ -438,11 +439,7 @@ class OpenAIServing:
         running: list[RequestOutputAccumulator | None] = [None] * n
         try:
             async for i, out in outputs:
-                acc = running[i]
-                if acc is None:
-                    acc = running[i] = RequestOutputAccumulator(out)
-                else:
-                    acc.add(out)
+                acc = running[i] = add_delta(running[i], out)
                 if out.finished:
                     finals[i] = acc.get()
         except EngineDeadError as e:
@@ -511,11 +508,7 @@ class OpenAIServing:
                 for group in (firsts, choices):  # the opening delta (role / echo) is a chunk of its own
                     if group:
                         await send({**base, "choices": group, **({"usage": None} if include_usage else {})})
-                acc = running[i]
-                if acc is None:
-                    acc = running[i] = RequestOutputAccumulator(out)
-                else:
-                    acc.add(out)
+                acc = running[i] = add_delta(running[i], out)
                 if out.finished:
                     finals[i] = acc.get()
         except EngineDeadError as e:
