@@ -1,20 +1,29 @@
-"""The kubelet acts on the probes the operator gives the workers: a worker that stops answering
-is restarted by its liveness probe; a worker that never finishes loading its model is restarted
-once the startup probe's budget (spec.server.startupTimeoutSeconds) is spent."""
+"""The kubelet acts on the probes the operator gives the workers: a worker that stops answering,
+or whose engine thread hangs while its HTTP server still answers, is restarted by its liveness
+probe; a worker that never finishes loading its model is restarted once the startup probe's budget
+(spec.server.startupTimeoutSeconds) is spent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import threading
+import urllib.error
+import urllib.request
 
 import pytest
 from kubernetes import client
 from model_fixtures import TARGET
 from test_controlplane import wait_for
 from test_operator import apply, example, models_volume, namespace, operator, wait_ready  # noqa: F401
+from thread_stop import ThreadStopper
 
 pytestmark = pytest.mark.slow
+
+ENGINE_THREAD = "kvscale-engine"  # the engine thread's OS name (worker/engine/async_llm.py)
+WORKER_PORT = 8000
 
 
 def worker_pod(cluster, ns: str, name: str):
@@ -50,6 +59,91 @@ def test_a_worker_that_stops_answering_is_restarted_by_its_liveness_probe(operat
     assert again.metadata.uid == pod.metadata.uid  # the same pod: a container restart, not a new pod
     events = events_of(operator, namespace, pod.metadata.name)
     assert "Liveness probe failed" in events and "will be restarted" in events, events
+
+
+def health(address: str, timeout: float = 2.0) -> tuple[int, str] | None:
+    """(status, body) of a worker's /health; None when it does not answer within timeout."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None
+
+
+def keep_busy(address: str, n: int = 4) -> None:
+    """n long completions in the background, so the engine is mid-work when its thread is frozen
+    (they die with the container; their errors are expected)."""
+
+    def one() -> None:
+        body = b'{"model": "tiny", "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": true}'
+        request = urllib.request.Request(
+            f"http://{address}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(request, timeout=300).read()
+
+    for _ in range(n):
+        threading.Thread(target=one, daemon=True).start()
+
+
+def test_a_worker_whose_engine_thread_hangs_is_restarted_by_its_liveness_probe(operator, namespace):  # noqa: F811
+    """Only the engine thread is frozen (ptrace, from outside the container): the HTTP server goes
+    on answering, so the probe must be failed by /health's own stuck check (500), not a timeout."""
+    if not operator.local:
+        pytest.skip("freezes a thread of a worker process on the local node")
+    doc = example("hung", namespace, replicas=1)
+    doc["spec"]["engine"] = {
+        **doc["spec"].get("engine", {}),
+        "extraArgs": ["--engine-iteration-timeout", "3"],
+    }
+    doc["spec"]["server"] = {"drainTimeoutSeconds": 2}
+    apply(operator, doc)
+    wait_ready(operator, "hung", namespace, replicas=1)
+    pod = worker_pod(operator, namespace, "hung")
+    status = pod.status.container_statuses[0]
+    assert status.restart_count == 0
+    address = f"{pod.status.pod_ip}:{WORKER_PORT}"
+    keep_busy(address)
+    stopper = ThreadStopper(operator.node.container_pid(status.container_id), ENGINE_THREAD)
+    try:
+        # A thread frozen while it holds the GIL freezes the server too (the SIGSTOP case above):
+        # thaw and freeze again until it is frozen outside the interpreter (in a torch kernel, a
+        # lock wait), which is where real hangs sit.
+        for _ in range(100):
+            assert stopper.stop() == "stopped"
+            if health(address) is not None:
+                break
+            stopper.cont()
+        else:
+            pytest.fail("the engine thread was never frozen without the GIL")
+        stopper.wait_exit_in_background()
+        answers = wait_for(
+            lambda: (a := health(address)) and a[0] == 500 and a,
+            timeout=30,
+            interval=0.5,
+            what="/health to report the stuck engine",
+        )
+        assert '"stuck"' in answers[1], answers
+
+        def restarted():
+            p = worker_pod(operator, namespace, "hung")
+            s = p.status.container_statuses[0]
+            return p if s.restart_count >= 1 and s.ready else None
+
+        again = wait_for(restarted, timeout=240, interval=1, what="the kubelet to restart the hung worker")
+        assert again.metadata.uid == pod.metadata.uid
+        events = events_of(operator, namespace, pod.metadata.name)
+        assert "Liveness probe failed: HTTP probe failed with statuscode: 500" in events, events
+        assert "will be restarted" in events, events
+        # The restarted worker serves again.
+        assert health(f"{again.status.pod_ip}:{WORKER_PORT}") == (200, '{"status": "ok"}')
+    finally:
+        stopper.close()
+    client.CustomObjectsApi(operator.api).delete_namespaced_custom_object(
+        "kvscale.dev", "v1alpha1", namespace, "inferencedeployments", "hung"
+    )
 
 
 def test_a_worker_that_never_loads_is_restarted_after_the_startup_budget(operator, namespace, tmp_path):  # noqa: F811

@@ -652,8 +652,8 @@ def test_largest_stop_list_slows_other_streams_by_under_10_percent(target_model)
 # -- a stuck engine thread fails liveness --------------------------------------------------------
 
 
-def test_engine_stuck_is_a_step_outliving_the_timeout() -> None:
-    assert not engine_stuck(None, now=100.0, timeout=60.0)  # between steps
+def test_engine_stuck_is_a_loop_pass_outliving_the_timeout() -> None:
+    assert not engine_stuck(None, now=100.0, timeout=60.0)  # idle, waiting for work
     assert not engine_stuck(50.0, now=100.0, timeout=60.0)
     assert engine_stuck(30.0, now=100.0, timeout=60.0)
     assert not engine_stuck(0.0, now=100.0, timeout=0.0)  # 0: the check is off
@@ -695,3 +695,74 @@ def test_health_fails_while_the_engine_thread_is_stuck_and_recovers(target_model
         while raw(base_url, "/health")[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert raw(base_url, "/health")[0] == 200 and llm.dead is None
+
+
+def test_health_fails_while_the_engine_thread_hangs_outside_a_step(target_model, monkeypatch):
+    """Stuck is stuck wherever the engine loop hangs: here taking a new request off the command
+    queue never returns, with no step running (a check timing only steps stays green)."""
+    release = threading.Event()
+    real = LLMEngine.add_prepared
+
+    def add_prepared(self, parent):
+        if any(c.sampling_params.seed == FAULTY_SEED for c in parent.children):
+            release.wait(120)
+        return real(self, parent)
+
+    monkeypatch.setattr(LLMEngine, "add_prepared", add_prepared)
+    config = ServerConfig(engine_iteration_timeout=1.0)
+    with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, _llm):
+        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stuck = threading.Thread(
+            target=c.completions.create,
+            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED),
+            daemon=True,
+        )
+        stuck.start()
+        try:
+            deadline, status = time.monotonic() + 30, 200
+            while status == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                status, _, body = raw(base_url, "/health")
+            assert status == 500, "/health stayed green with the engine thread stuck between steps"
+            assert json.loads(body) == {"status": "stuck"}
+        finally:
+            release.set()
+        stuck.join(60)
+
+
+def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
+    """SIGTERM on a worker whose engine thread hangs still exits (after the drain), instead of
+    waiting for the kubelet's SIGKILL at the end of the grace period."""
+    release, entered = threading.Event(), threading.Event()
+    real = ModelRunner.execute_model
+
+    def execute_model(self, scheduled):
+        if any(r.sampling_params.seed == FAULTY_SEED for r in scheduled.requests):
+            entered.set()
+            release.wait(120)
+        return real(self, scheduled)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+
+    async def main() -> float:
+        llm = AsyncLLM(EngineArgs(model=target_model, num_kv_blocks=64), target_model)
+        await llm.start()
+        params = SamplingParams(max_tokens=2, seed=FAULTY_SEED)
+        gen = llm.generate(PROMPT, params, request_id="stuck")
+        waiter = asyncio.create_task(anext(aiter(gen)))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+        t0 = time.monotonic()
+        await llm.shutdown(timeout=1.0)
+        took = time.monotonic() - t0
+        waiter.cancel()
+        return took
+
+    # The hang ends after 20 s at the latest, so a shutdown that waits for it fails, not hangs.
+    timer = threading.Timer(20.0, release.set)
+    timer.start()
+    try:
+        took = asyncio.run(main())
+    finally:
+        release.set()
+        timer.cancel()
+    assert took < 5.0, f"shutdown waited {took:.1f} s for a stuck engine thread"

@@ -11,8 +11,10 @@ queue of them.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +27,19 @@ from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+ENGINE_THREAD = "kvscale-engine"  # at most 15 bytes: Linux's limit for a thread's name
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling thread `name` in the OS too (Python sets it itself only from 3.14)."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # a name is a convenience; never a reason not to serve
 
 
 class EngineDeadError(RuntimeError):
@@ -54,9 +69,11 @@ class AsyncLLM:
         self._num_submitted = 0
         self._num_taken = 0
         self._thread: threading.Thread | None = None
-        # When the step now running began (time.monotonic()); None between steps. Written by the
-        # engine thread only, read by liveness: a step that never returns is a stuck engine.
-        self.step_started: float | None = None
+        # When the engine thread's current pass over its loop began (time.monotonic()); None while
+        # it sleeps for want of work. Written by the engine thread only, read by liveness: a pass
+        # that never ends (a step, a command or a metrics update that never returns) is a stuck
+        # engine, wherever in the loop it hangs.
+        self.busy_since: float | None = None
 
     # -- lifecycle (event loop side) ------------------------------------------------------------
     async def start(self) -> None:
@@ -71,6 +88,9 @@ class AsyncLLM:
         loaded: asyncio.Future = loop.create_future()
 
         def main() -> None:
+            # The OS sees the name too (top -H, /proc/<pid>/task/*/comm): what an operator looking
+            # at a hung worker, and the stuck-engine e2e test, find the thread by.
+            name_native_thread(ENGINE_THREAD)
             try:
                 self.engine = LLMEngine(self.args)
                 self._publish_metrics()
@@ -80,7 +100,7 @@ class AsyncLLM:
             loop.call_soon_threadsafe(loaded.set_result, None)
             self._run()
 
-        self._thread = threading.Thread(target=main, name="engine", daemon=True)
+        self._thread = threading.Thread(target=main, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
         await loaded
 
@@ -88,11 +108,17 @@ class AsyncLLM:
     def is_ready(self) -> bool:
         return self.engine is not None and self.dead is None
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; give up after `timeout` s (a stuck thread never stops, and a
+        daemon thread does not hold the process, so the pod exits on SIGTERM, not SIGKILL)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+            if self._thread.is_alive():
+                logger.error(
+                    "the engine thread did not stop; exiting without it", extra={"timeout_s": timeout}
+                )
 
     # -- requests (event loop side) -------------------------------------------------------------
     @property
@@ -176,6 +202,7 @@ class AsyncLLM:
 
     def _step_until_stopped(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         while True:
+            self.busy_since = time.monotonic()
             # Clear the wake-up before looking at _stop: a shutdown() landing between the two would
             # otherwise have its wake-up cleared, and the thread would sleep forever (join hangs).
             self._wake.clear()
@@ -184,11 +211,12 @@ class AsyncLLM:
             self._apply_commands(engine)
             if not engine.has_unfinished_requests():
                 self._publish_metrics()
+                self.busy_since = None
                 self._wake.wait()
                 continue
-            self.step_started = time.monotonic()
             outputs = engine.step()
-            self.step_started = None
+            if self._stop:  # shut down while the step ran (shutdown gave up on it): nobody listens
+                return
             self._publish_metrics()
             loop.call_soon_threadsafe(self._dispatch, outputs)
             for request_id, error in engine.take_failed().items():  # failed alone; the engine goes on

@@ -35,8 +35,9 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int = 256
     drain_timeout: float = 30.0
-    # Liveness fails while one engine step has run longer than this (seconds; 0: never), so the
-    # kubelet restarts a worker whose engine thread is stuck (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S).
+    # Liveness fails while one pass of the engine loop (a step, with its commands and metrics) has
+    # run longer than this (seconds; 0: never), so the kubelet restarts a worker whose engine thread
+    # is stuck (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S).
     engine_iteration_timeout: float = 60.0
 
 
@@ -131,9 +132,9 @@ async def api_middleware(request: web.Request, handler):
             state.idle.set()
 
 
-def engine_stuck(step_started: float | None, now: float, timeout: float) -> bool:
-    """Whether the step now running (started at `step_started`, None: none) has outlived `timeout`."""
-    return timeout > 0 and step_started is not None and now - step_started > timeout
+def engine_stuck(busy_since: float | None, now: float, timeout: float) -> bool:
+    """Whether the engine loop's current pass (begun at `busy_since`, None: idle) has outlived `timeout`."""
+    return timeout > 0 and busy_since is not None and now - busy_since > timeout
 
 
 async def health(request: web.Request) -> web.Response:
@@ -141,7 +142,7 @@ async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if state.llm.dead is not None or state.load_error is not None:
         return web.json_response({"status": "dead"}, status=500)
-    if engine_stuck(state.llm.step_started, time.monotonic(), state.config.engine_iteration_timeout):
+    if engine_stuck(state.llm.busy_since, time.monotonic(), state.config.engine_iteration_timeout):
         return web.json_response({"status": "stuck"}, status=500)
     return web.json_response({"status": "ok"})
 
