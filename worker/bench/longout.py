@@ -11,7 +11,8 @@ Overhead of one step = the wall time from the start of that `engine.step()` to t
 next (so the consumer's work on its outputs counts) minus the time spent inside the forward passes
 (`ModelRunner.forward`, and the draft model's forward when there is one: input tensors, the model,
 logits). Only steps with the whole batch decoding count: the long run's window is the steps whose
-mean output length is within `--window` tokens of `--long-len`; the short run's is every
+mean output length is within `--window` tokens of the last step the whole batch ran (`--long-len`
+without speculation; with it, requests finish at different steps); the short run's is every
 all-decode step. The model is a random one-layer Llama (hidden 32) with the given model's
 tokenizer and room for the long outputs, so that 64 × 8k tokens run in minutes on a CPU; its
 forward is excluded anyway.
@@ -20,6 +21,7 @@ forward is excluded anyway.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -91,6 +93,10 @@ class StepTimer:
         self.records.append((start, self._forward_s, mean_len, len(running) if all_decode else 0))
         return out
 
+    def last_full_batch_len(self, batch: int) -> float:
+        """The mean output length before the last step at which all `batch` requests decoded."""
+        return max((r[2] for r in self.records if r[3] == batch), default=0.0)
+
     def window(self, batch: int, lo: float, hi: float) -> list[tuple[float, float]]:
         """(overhead, tokens per sequence) of each step with `batch` decoding requests whose mean
         output length is in [lo, hi); the last step has no successor and is left out."""
@@ -131,8 +137,11 @@ def run_config(name: str, target: str, draft: str, args, prompts: list[list[int]
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == length for o in outputs)
-        lo = 1 if label == "short" else length - args.window
-        window = timer.window(args.batch, lo, length)
+        # With speculation, requests reach `length` at different steps: the long run's window
+        # ends at the last step the whole batch still ran (its mean output length then: `hi`).
+        hi = timer.last_full_batch_len(args.batch)
+        lo = 1 if label == "short" else hi - args.window
+        window = timer.window(args.batch, lo, hi + 1)
         overheads = [o for o, _ in window]
         # Speculation emits several tokens per sequence in some steps (more in the long run's
         # repetitive tail): overhead per emitted token is the fairer figure there.
@@ -144,12 +153,14 @@ def run_config(name: str, target: str, draft: str, args, prompts: list[list[int]
             "elapsed_s": round(elapsed, 2),
             "forward_s": round(sum(r[1] for r in timer.records), 2),
             "window_steps": len(overheads),
+            "window_mean_output_len": [round(lo, 1), round(hi, 1)],
             "overhead_ms_per_step_median": round(statistics.median(overheads) * 1e3, 3),
             "overhead_ms_per_step_mean": round(statistics.fmean(overheads) * 1e3, 3),
             "tokens_per_seq_per_step": round(statistics.fmean(t for _, t in window), 3),
             "overhead_us_per_seq_token_median": round(statistics.median(per_token) * 1e6, 1),
         }
         del llm, timer
+        print(f"longout {name} {label}: {result[label]}", file=sys.stderr, flush=True)
     ratio = result["long"]["overhead_ms_per_step_median"] / result["short"]["overhead_ms_per_step_median"]
     result["long_vs_short_overhead"] = round(ratio, 3)
     per_token = [result[k]["overhead_us_per_seq_token_median"] for k in ("long", "short")]
