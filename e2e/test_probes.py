@@ -72,6 +72,15 @@ def health(address: str, timeout: float = 2.0) -> tuple[int, str] | None:
         return None
 
 
+def running(address: str) -> float:
+    """The worker's kvscale_requests_running gauge."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvscale_requests_running"):
+                return float(line.split()[-1])
+    return 0.0
+
+
 def keep_busy(address: str, n: int = 4) -> None:
     """n long completions in the background, so the engine is mid-work when its thread is frozen
     (they die with the container; their errors are expected)."""
@@ -106,6 +115,7 @@ def test_a_worker_whose_engine_thread_hangs_is_restarted_by_its_liveness_probe(o
     assert status.restart_count == 0
     address = f"{pod.status.pod_ip}:{WORKER_PORT}"
     keep_busy(address)
+    wait_for(lambda: running(address) >= 1, timeout=30, interval=0.2, what="the engine to be mid-work")
     stopper = ThreadStopper(operator.node.container_pid(status.container_id), ENGINE_THREAD)
     try:
         # A thread frozen while it holds the GIL freezes the server too (the SIGSTOP case above):

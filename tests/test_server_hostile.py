@@ -730,6 +730,57 @@ def test_health_fails_while_the_engine_thread_hangs_outside_a_step(target_model,
         stuck.join(60)
 
 
+class _LostWakeUp:
+    """An Event whose set() never reaches the engine thread: the thread sleeps on while work waits
+    (until release())."""
+
+    def __init__(self) -> None:
+        self._never = threading.Event()
+
+    def set(self) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._never.wait(timeout)
+
+    def release(self) -> None:
+        self._never.set()
+
+
+def test_health_fails_while_the_engine_thread_sleeps_on_work_it_never_takes(target_model):
+    """A thread hung while idle never starts a loop pass; the adds it does not take show it."""
+    config = ServerConfig(engine_iteration_timeout=1.0)
+    with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, llm):
+        deadline = time.monotonic() + 30
+        while llm.busy_since is not None and time.monotonic() < deadline:  # idle after warm-up
+            time.sleep(0.05)
+        real_wake, lost = llm._wake, _LostWakeUp()
+        llm._wake = lost
+        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        waiting = threading.Thread(
+            target=c.completions.create,
+            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2),
+            daemon=True,
+        )
+        waiting.start()
+        try:
+            deadline, status = time.monotonic() + 30, 200
+            while status == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                status, _, body = raw(base_url, "/health")
+            assert status == 500, "/health stayed green while an add waited for a sleeping engine"
+            assert json.loads(body) == {"status": "stuck"}
+        finally:
+            llm._wake = real_wake
+            lost.release()  # whichever of the two the thread sleeps on
+            real_wake.set()
+        waiting.join(60)
+        assert raw(base_url, "/health")[0] == 200
+
+
 def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
     """SIGTERM on a worker whose engine thread hangs still exits (after the drain), instead of
     waiting for the kubelet's SIGKILL at the end of the grace period."""

@@ -11,6 +11,7 @@ queue of them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import logging
 import queue
@@ -68,6 +69,10 @@ class AsyncLLM:
         # engine thread takes it: each counter has a single writer, so no update is ever lost.
         self._num_submitted = 0
         self._num_taken = 0
+        # (_num_submitted after the add, when it was queued) of adds the engine thread may not have
+        # taken yet; event loop side. A thread hung while idle never starts a pass (busy_since
+        # stays None), but the adds it does not take show it.
+        self._added_at: collections.deque[tuple[int, float]] = collections.deque()
         self._thread: threading.Thread | None = None
         # When the engine thread's current pass over its loop began (time.monotonic()); None while
         # it sleeps for want of work. Written by the engine thread only, read by liveness: a pass
@@ -120,6 +125,20 @@ class AsyncLLM:
                     "the engine thread did not stop; exiting without it", extra={"timeout_s": timeout}
                 )
 
+    @property
+    def stalled_since(self) -> float | None:
+        """Since when the engine thread has owed progress (None: it owes none): the start of its
+        current loop pass, or the oldest add it has not taken yet. Event loop side."""
+        self._forget_taken_adds()
+        owed = [
+            t for t in (self.busy_since, self._added_at[0][1] if self._added_at else None) if t is not None
+        ]
+        return min(owed, default=None)
+
+    def _forget_taken_adds(self) -> None:
+        while self._added_at and self._added_at[0][0] <= self._num_taken:
+            self._added_at.popleft()
+
     # -- requests (event loop side) -------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
@@ -146,6 +165,8 @@ class AsyncLLM:
         stream = _Stream()
         self._streams[request_id] = stream
         self._num_submitted += len(parent.children)
+        self._forget_taken_adds()  # bounded by the adds in flight, with or without probes
+        self._added_at.append((self._num_submitted, time.monotonic()))
         self._commands.put(("add", parent))
         self._wake.set()
         finished = False

@@ -132,9 +132,10 @@ async def api_middleware(request: web.Request, handler):
             state.idle.set()
 
 
-def engine_stuck(busy_since: float | None, now: float, timeout: float) -> bool:
-    """Whether the engine loop's current pass (begun at `busy_since`, None: idle) has outlived `timeout`."""
-    return timeout > 0 and busy_since is not None and now - busy_since > timeout
+def engine_stuck(stalled_since: float | None, now: float, timeout: float) -> bool:
+    """Whether the engine thread has owed progress (a loop pass that has not ended, an add it has
+    not taken) since `stalled_since` (None: it owes none) for longer than `timeout`."""
+    return timeout > 0 and stalled_since is not None and now - stalled_since > timeout
 
 
 async def health(request: web.Request) -> web.Response:
@@ -142,7 +143,7 @@ async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if state.llm.dead is not None or state.load_error is not None:
         return web.json_response({"status": "dead"}, status=500)
-    if engine_stuck(state.llm.busy_since, time.monotonic(), state.config.engine_iteration_timeout):
+    if engine_stuck(state.llm.stalled_since, time.monotonic(), state.config.engine_iteration_timeout):
         return web.json_response({"status": "stuck"}, status=500)
     return web.json_response({"status": "ok"})
 
