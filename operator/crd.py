@@ -116,9 +116,7 @@ def crd() -> dict[str, Any]:
                             "description": InferenceDeploymentSpec.__doc__,
                             "required": ["spec"],
                             # CEL sees metadata.name only from the root.
-                            "x-kubernetes-validations": [
-                                {"rule": NAME_RULE.cel, "message": NAME_RULE.message}
-                            ],
+                            "x-kubernetes-validations": [NAME_RULE.schema()],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

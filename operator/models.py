@@ -47,6 +47,13 @@ class Rule:
     cel: str
     message: str
     check: Callable[[Any], bool]
+    optional_old_self: bool = False  # `oldSelf` is an optional: none on create
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.cel, "message": self.message}
+        if self.optional_old_self:
+            out["optionalOldSelf"] = True
+        return out
 
 
 @functools.cache
@@ -66,7 +73,7 @@ def _matches(pattern: str) -> Callable[[Any], bool]:
 
 
 def _cel(*rules: Rule) -> dict[str, Any]:
-    return {"x-kubernetes-validations": [{"rule": r.cel, "message": r.message} for r in rules]}
+    return {"x-kubernetes-validations": [r.schema() for r in rules]}
 
 
 def _checked(base: Any, *rules: Rule, **field: Any) -> Any:
@@ -133,12 +140,16 @@ _KEYS_RULE = Rule(
 LabelMap = _checked(dict[str, LabelValue], _KEYS_RULE, max_length=64)
 
 # The resource's name becomes the children's names, the Service's (a DNS-1035 label) included,
-# and a label value on every worker (at most 63). A rule on metadata.name must sit at the root.
+# and a label value on every worker (at most 63). A rule on metadata.name must sit at the root,
+# where every status write runs it too: checked on create only (a name never changes), so a
+# resource created under an older CRD still takes status writes.
 NAME_RULE = Rule(
-    f"size(self.metadata.name) <= {NAME_MAX} && self.metadata.name.matches(r'{DNS_LABEL}')",
+    f"oldSelf.hasValue() || (size(self.metadata.name) <= {NAME_MAX} && "
+    f"self.metadata.name.matches(r'{DNS_LABEL}'))",
     f"metadata.name must be at most {NAME_MAX} lowercase letters, digits and '-', starting with a "
     "letter and ending with a letter or digit: it names the workers' Service and is a label value",
     lambda name: len(name) <= NAME_MAX and search(DNS_LABEL, name),
+    optional_old_self=True,
 )
 
 
