@@ -203,6 +203,62 @@ def complete(address: str, served_name: str) -> dict:
         ({"model": {"uri": "/m"}, "speculative": {"method": "draft"}}, "method draft needs draftModelUri"),
         ({"engine": {"maxNumSeqs": 8}}, "spec.model: Required value"),
         ({"model": {"uri": "https://hub/model"}}, "spec.model.uri"),
+        # Specs that passed before and made children the API server refuses (the field and the
+        # rule's message, as kubectl prints them).
+        *(
+            ({"model": {"uri": "/m"}, "resources": {field: value}}, f"spec.resources.{field}")
+            for field, value in (("cpu", "1.2.3"), ("memory", "2Gim"), ("cpu", "0"), ("memory", "-1Gi"))
+        ),
+        (
+            {"model": {"uri": "/m"}, "resources": {"memory": "2Gim"}},
+            "must be a positive Kubernetes quantity such as 512Mi or 8Gi",
+        ),
+        (
+            {"model": {"uri": "/m"}, "resources": {"ephemeralStorage": "1.2.3"}},
+            "positive Kubernetes quantity",
+        ),
+        ({"model": {"uri": "pvc://"}}, "pvc:// needs the name of a PersistentVolumeClaim"),
+        ({"model": {"uri": "pvc:///llama"}}, "pvc:// needs the name of a PersistentVolumeClaim"),
+        ({"model": {"uri": "pvc://.models/llama"}}, "pvc:// needs the name of a PersistentVolumeClaim"),
+        ({"model": {"uri": "pvc://models./llama"}}, "pvc:// needs the name of a PersistentVolumeClaim"),
+        ({"model": {"uri": "pvc://models/../etc"}}, "must not contain '..' path segments"),
+        (
+            {"model": {"uri": "/m"}, "speculative": {"method": "draft", "draftModelUri": "pvc://"}},
+            "spec.speculative.draftModelUri",
+        ),
+        (
+            {"model": {"uri": "/m"}, "resources": {"gpus": 8}},
+            "tensor parallelism across several is not supported",
+        ),
+        ({"model": {"uri": "/m"}, "resources": {"gpus": 2}}, "spec.resources.gpus"),
+        (
+            {"model": {"uri": "/m"}, "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+            "spec.env[1]: Duplicate value",
+        ),
+        ({"model": {"uri": "/m"}, "server": {"apiKeySecret": "Api_Keys"}}, "must be the name of a Secret"),
+        ({"model": {"uri": "/m"}, "nodeSelector": {"gpu type": "h100"}}, "keys must be label keys"),
+        ({"model": {"uri": "/m"}, "nodeSelector": {"gpu": "-h100"}}, "must be a label value"),
+        (
+            {"model": {"uri": "/m"}, "tolerations": [{"operator": "Equal", "value": "x"}]},
+            "operator must be Exists when key is empty",
+        ),
+        (
+            {"model": {"uri": "/m"}, "podMetadata": {"labels": {"app.kubernetes.io/name": "mine"}}},
+            "are the operator's labels",
+        ),
+        (
+            {"model": {"uri": "/m"}, "podMetadata": {"labels": {"kvscale.dev/inference-deployment": "x"}}},
+            "are the operator's labels",
+        ),
+        (
+            {"model": {"uri": "/m"}, "rollout": {"maxSurge": 0}},
+            "maxSurge and maxUnavailable cannot both be 0",
+        ),
+        ({"model": {"uri": "/m"}, "priorityClassName": "High"}, "must be the name of a PriorityClass"),
+        (
+            {"model": {"uri": "/m"}, "imagePullSecrets": [{"name": "r"}, {"name": "r"}]},
+            "spec.imagePullSecrets[1]: Duplicate value",
+        ),
     ],
 )
 def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, spec, message):
@@ -215,6 +271,128 @@ def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, sp
     result = operator.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert operator.kubectl("get", "infd", "-n", namespace, "-o", "name").stdout == ""
+
+
+@pytest.mark.parametrize("name", ["a" * 64, "models.llama", "8b-llama"])
+def test_names_that_cannot_name_the_children_are_refused_by_the_api_server(operator, namespace, name):
+    """Valid names for the resource itself (a DNS subdomain) but not for its children: a label
+    value has at most 63 characters, a Service name is a DNS-1035 label (no dots, a letter first)."""
+    doc = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"uri": "/m"}},
+    }
+    result = operator.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
+    assert result.returncode != 0, result.stdout
+    assert "metadata.name must be at most 63 lowercase letters" in result.stderr, result.stderr
+    assert operator.kubectl("get", "infd", "-n", namespace, "-o", "name").stdout == ""
+
+
+def test_a_status_with_a_condition_type_the_crd_does_not_know_is_accepted(operator, namespace):
+    """A newer operator may write condition types this CRD has never heard of: the status
+    subresource takes them (no enum on the type)."""
+    apply(operator, example("future", namespace, replicas=0))
+    custom = client.CustomObjectsApi(operator.api)
+    condition_ = {"type": "FromANewerOperator", "status": "True", "reason": "Newer", "message": "m"}
+    written = custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, "future", {"status": {"conditions": [condition_]}}
+    )
+    assert condition_ in written["status"]["conditions"]
+
+
+def test_pod_template_fields_reach_the_deployment_and_the_workers(operator, namespace):
+    """The spec's pod template fields end up in a Deployment the API server accepted (server-side
+    apply refuses an invalid one), and those a CPU node can run in a worker that turns Ready."""
+    if not operator.local:
+        pytest.skip("mounts the fixture model from this machine")
+    scheduling = client.SchedulingV1Api(operator.api)
+    priority = f"kvscale-{namespace}"
+    scheduling.create_priority_class(
+        client.V1PriorityClass(metadata=client.V1ObjectMeta(name=priority), value=1000)
+    )
+    try:
+        _pod_template_fields(operator, namespace, priority)
+    finally:
+        scheduling.delete_priority_class(priority)
+
+
+def _pod_template_fields(cluster, namespace: str, priority: str) -> None:
+    apps, core = client.AppsV1Api(cluster.api), client.CoreV1Api(cluster.api)
+    prefer_linux = {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 1,
+                "preference": {
+                    "matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]
+                },
+            }
+        ]
+    }
+    spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    fields = {
+        "resources": {**WORKER_RESOURCES, "ephemeralStorage": "1Gi"},
+        "affinity": {"nodeAffinity": prefer_linux},
+        "topologySpreadConstraints": [spread],
+        "priorityClassName": priority,
+        "podMetadata": {
+            "labels": {"team": "search"},
+            "annotations": {"prometheus.io/scrape": "false", "example.com/owner": "search"},
+        },
+        "rollout": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    # First with no workers, so a RuntimeClass and a pull Secret that do not exist cannot stop
+    # pods from starting: the Deployment itself must carry everything.
+    doc = example(
+        "podtpl",
+        namespace,
+        replicas=0,
+        runtimeClassName="kvscale-e2e",
+        imagePullSecrets=[{"name": "registry"}],
+        **fields,
+    )
+    apply(cluster, doc)
+
+    def deployed():
+        try:
+            dep = apps.read_namespaced_deployment("podtpl", namespace)
+        except client.ApiException:
+            return None
+        return dep if dep.spec.template.spec.runtime_class_name == "kvscale-e2e" else None
+
+    dep = wait_for(deployed, timeout=60, what="the Deployment with the pod template fields")
+    pod = dep.spec.template.spec
+    assert dep.spec.strategy.rolling_update.max_surge == 0
+    assert dep.spec.strategy.rolling_update.max_unavailable == 1
+    assert pod.runtime_class_name == "kvscale-e2e" and pod.priority_class_name == priority
+    assert [s.name for s in pod.image_pull_secrets] == ["registry"]
+    assert pod.affinity.node_affinity.preferred_during_scheduling_ignored_during_execution[0].weight == 1
+    (constraint,) = pod.topology_spread_constraints
+    assert constraint.label_selector.match_labels == dep.spec.selector.match_labels  # ours by default
+    assert dep.spec.template.metadata.labels["team"] == "search"
+    assert dep.spec.template.metadata.annotations["prometheus.io/scrape"] == "false"
+    volumes = {v.name: v for v in pod.volumes}
+    assert volumes["tmp"].empty_dir.size_limit == "1Gi"
+    assert pod.containers[0].resources.requests["ephemeral-storage"] == "1Gi"
+    pdb = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget("podtpl", namespace)
+    assert pdb.spec.unhealthy_pod_eviction_policy == "AlwaysAllow"
+
+    # Then a real worker, with what this node has: the scheduler, the kubelet and the admission
+    # plugins (Priority) take the template as it is.
+    doc = example("podtpl", namespace, replicas=1, **fields)
+    apply(cluster, doc)
+    cr = wait_ready(cluster, "podtpl", namespace, replicas=1)
+    (worker,) = [
+        p
+        for p in core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
+        if p.metadata.deletion_timestamp is None
+    ]
+    assert worker.spec.priority_class_name == priority and worker.spec.priority == 1000
+    assert worker.spec.runtime_class_name is None and not worker.spec.image_pull_secrets
+    assert worker.metadata.labels["team"] == "search"
+    assert worker.metadata.annotations["example.com/owner"] == "search"
+    assert worker.spec.containers[0].resources.requests["ephemeral-storage"] == "1Gi"
+    assert {v.name: v for v in worker.spec.volumes}["tmp"].empty_dir.size_limit == "1Gi"
 
 
 def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operator, namespace):

@@ -7,11 +7,22 @@ No I/O here: the handlers apply what these return.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvscale.operator.models import GROUP, KIND, VERSION, InferenceDeploymentSpec
+from kvscale.operator.models import (
+    DNS_LABEL,
+    GROUP,
+    KIND,
+    RESERVED_LABELS,
+    RESERVED_PREFIX,
+    VERSION,
+    InferenceDeploymentSpec,
+    search,
+)
 
 MANAGER = "kvscale-operator"  # our field manager and the managed-by label
 AUTOSCALER_MANAGER = "kvscale-autoscaler"  # the autoscaler's, for the Deployment's replicas
@@ -64,13 +75,25 @@ def _metadata(owner: Owner) -> dict[str, Any]:
     }
 
 
+def claim_volume_name(claim: str) -> str:
+    """A pod volume name (a DNS label, at most 63) for a claim name (a DNS subdomain, up to 253,
+    dots allowed): `pvc-CLAIM` where that is one, else a readable prefix and a digest, so two
+    claims never share a volume."""
+    name = f"pvc-{claim}"
+    if len(name) <= 63 and search(DNS_LABEL, name):
+        return name
+    digest = hashlib.sha256(claim.encode()).hexdigest()[:10]
+    readable = re.sub(r"[^a-z0-9-]", "-", claim)[:45].strip("-")
+    return f"pvc-{readable}-{digest}" if readable else f"pvc-{digest}"
+
+
 def resolve_model(uri: str) -> tuple[str, dict | None, dict | None]:
     """(path inside the container, volume, volume mount) for a model URI; a PVC is mounted
     read-only at /models/CLAIM, under a volume name of its own (so two URIs on one claim share it)."""
     if not uri.startswith("pvc://"):
         return uri.removeprefix("file://"), None, None
     claim, _, sub = uri.removeprefix("pvc://").partition("/")
-    name, mount = f"pvc-{claim}"[:63], f"{MODELS_ROOT}/{claim}"
+    name, mount = claim_volume_name(claim), f"{MODELS_ROOT}/{claim}"
     volume = {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     return f"{mount}/{sub}".rstrip("/"), volume, {"name": name, "mountPath": mount, "readOnly": True}
 
@@ -104,8 +127,11 @@ def worker_args(
 
 
 def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """The operator's variables, then the user's; a user variable of the same name replaces ours
+    (one entry per name: the Deployment's env is keyed by name and server-side apply refuses
+    duplicates). The user's come last, so they may refer to ours as $(NAME)."""
     # A read-only root filesystem: every cache goes to the /tmp emptyDir; no hub downloads.
-    env: list[dict[str, Any]] = [
+    ours: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
@@ -114,10 +140,11 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     ]
     if spec.server.api_key_secret:
         ref = {"name": spec.server.api_key_secret, "key": "api-key"}
-        env.append({"name": "KVSCALE_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+        ours.append({"name": "KVSCALE_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    users: list[dict[str, Any]] = []
     for var in spec.env:
         if var.value is not None:
-            env.append({"name": var.name, "value": var.value})
+            users.append({"name": var.name, "value": var.value})
         else:
             assert var.value_from is not None
             src = var.value_from
@@ -126,12 +153,57 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
                 if src.secret_key_ref
                 else ("configMapKeyRef", src.config_map_key_ref)
             )
-            env.append({"name": var.name, "valueFrom": {ref_kind: {"name": ref.name, "key": ref.key}}})
-    return env
+            users.append({"name": var.name, "valueFrom": {ref_kind: {"name": ref.name, "key": ref.key}}})
+    taken = {v["name"] for v in users}
+    return [v for v in ours if v["name"] not in taken] + list({v["name"]: v for v in users}.values())
+
+
+def _scheduling(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The pod spec's placement fields, from the spec (only those set)."""
+    out: dict[str, Any] = {}
+    if spec.node_selector:
+        out["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.affinity is not None:
+        affinity = spec.affinity.model_dump(by_alias=True, exclude_none=True)
+        if affinity:
+            out["affinity"] = affinity
+    if spec.topology_spread_constraints:
+        constraints = []
+        for c in spec.topology_spread_constraints:
+            body = c.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+            body.update(
+                maxSkew=c.max_skew, topologyKey=c.topology_key, whenUnsatisfiable=c.when_unsatisfiable
+            )
+            # Counting this resource's workers is what spreading them means; say so by default.
+            body.setdefault("labelSelector", {"matchLabels": selector_labels(owner.name)})
+            constraints.append(body)
+        out["topologySpreadConstraints"] = constraints
+    if spec.priority_class_name:
+        out["priorityClassName"] = spec.priority_class_name
+    if spec.runtime_class_name:
+        out["runtimeClassName"] = spec.runtime_class_name
+    if spec.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": r.name} for r in spec.image_pull_secrets]
+    return out
+
+
+def pod_labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
+    """The user's pod labels and ours; ours win (the CRD refuses user labels that would take
+    them, this keeps the selector whole for a resource stored under an older CRD)."""
+    users = {
+        k: v
+        for k, v in spec.pod_metadata.labels.items()
+        if k not in RESERVED_LABELS and not k.startswith(RESERVED_PREFIX)
+    }
+    return {**users, **labels(owner.name)}
 
 
 def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
-    volumes: dict[str, dict] = {"tmp": {"name": "tmp", "emptyDir": {}}}
+    r = spec.resources
+    # Sized: an emptyDir without a limit may fill the node's disk (or, memory-backed, its memory).
+    volumes: dict[str, dict] = {"tmp": {"name": "tmp", "emptyDir": {"sizeLimit": r.ephemeral_storage}}}
     mounts: dict[str, dict] = {"tmp": {"name": "tmp", "mountPath": "/tmp"}}
     uris = [spec.model.uri]
     if spec.speculative is not None and spec.speculative.draft_model_uri:
@@ -143,15 +215,18 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
         if volume is not None and mount is not None:
             volumes[volume["name"]], mounts[mount["name"]] = volume, mount
     model_path, draft_path = paths[0], (paths[1] if len(paths) > 1 else None)
+    # requests = limits for CPU and memory (Guaranteed QoS); ephemeral storage is requested so
+    # the scheduler reserves it, and bounded by the /tmp size limit rather than a limit here.
     resources: dict[str, Any] = {
-        "requests": {"cpu": spec.resources.cpu, "memory": spec.resources.memory},
-        "limits": {"cpu": spec.resources.cpu, "memory": spec.resources.memory},
+        "requests": {"cpu": r.cpu, "memory": r.memory, "ephemeral-storage": r.ephemeral_storage},
+        "limits": {"cpu": r.cpu, "memory": r.memory},
     }
-    if spec.resources.gpus:
-        resources["requests"]["nvidia.com/gpu"] = resources["limits"]["nvidia.com/gpu"] = str(
-            spec.resources.gpus
-        )
-        volumes["dshm"] = {"name": "dshm", "emptyDir": {"medium": "Memory"}}  # torch's shared memory
+    if r.gpus:
+        resources["requests"]["nvidia.com/gpu"] = resources["limits"]["nvidia.com/gpu"] = str(r.gpus)
+        volumes["dshm"] = {  # torch's shared memory
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": r.shared_memory},
+        }
         mounts["dshm"] = {"name": "dshm", "mountPath": "/dev/shm"}
     http = {"path": "/ready", "port": "http"}
     container = {
@@ -200,19 +275,15 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # workers never talk to the API server
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    pod_spec.update(_scheduling(owner, spec))
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORT),
+        "prometheus.io/path": "/metrics",
+        **spec.pod_metadata.annotations,  # the user's win: e.g. scrape "false"
+    }
     return {
-        "metadata": {
-            "labels": labels(owner.name),
-            "annotations": {
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(PORT),
-                "prometheus.io/path": "/metrics",
-            },
-        },
+        "metadata": {"labels": pod_labels(owner, spec), "annotations": annotations},
         "spec": pod_spec,
     }
 
@@ -224,8 +295,15 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[
         "metadata": _metadata(owner),
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name)},
-            # Never below the wanted capacity during a rollout: add one, then remove one.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # By default never below the wanted capacity during a rollout: add one, then remove
+            # one. On a full GPU pool maxSurge 0 / maxUnavailable 1 replaces in place instead.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": spec.rollout.max_surge,
+                    "maxUnavailable": spec.rollout.max_unavailable,
+                },
+            },
             "progressDeadlineSeconds": spec.server.startup_timeout_seconds + 60,
             "revisionHistoryLimit": 3,
             "template": pod_template(owner, spec, image),
@@ -280,12 +358,18 @@ def service(owner: Owner) -> dict[str, Any]:
 
 
 def pod_disruption_budget(owner: Owner) -> dict[str, Any]:
-    # Voluntary disruptions (drains, upgrades) take one worker at a time.
+    # Voluntary disruptions (drains, upgrades) take one worker at a time. A worker that is not
+    # Ready (still loading, or crash-looping) may always be evicted: otherwise one broken worker
+    # blocks every node drain.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 

@@ -18,6 +18,7 @@ import yaml
 from kvscale.operator.models import (
     GROUP,
     KIND,
+    NAME_RULE,
     PLURAL,
     VERSION,
     InferenceDeploymentSpec,
@@ -52,6 +53,8 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out[key] = {name: _structural(sub, defs) for name, sub in value.items()}
         elif key == "additionalProperties" and value is False:
             continue
+        elif key == "additionalProperties" and value is True:  # `dict[str, Any]`: kept as it is
+            out["x-kubernetes-preserve-unknown-fields"] = True
         elif key in ("items", "additionalProperties") and isinstance(value, dict):
             out[key] = _structural(value, defs)
         elif key == "exclusiveMinimum":
@@ -79,7 +82,7 @@ def schema_of(model) -> dict[str, Any]:
 
 def status_schema() -> dict[str, Any]:
     schema = schema_of(InferenceDeploymentStatus)
-    schema.pop("additionalProperties", None)
+    schema.pop("x-kubernetes-preserve-unknown-fields", None)  # unknown fields are pruned, not kept
     # kopf keeps its progress and diff base under status.kopf, in its own shape.
     schema["properties"]["kopf"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     return schema
@@ -112,6 +115,8 @@ def crd() -> dict[str, Any]:
                             "type": "object",
                             "description": InferenceDeploymentSpec.__doc__,
                             "required": ["spec"],
+                            # CEL sees metadata.name only from the root.
+                            "x-kubernetes-validations": [NAME_RULE.schema()],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
@@ -198,6 +203,7 @@ def reference_markdown() -> str:
     rules = [v["message"] for v in spec.get("x-kubernetes-validations", [])]
     lines.append("")
     lines.extend(f"Rule on `spec`: {r}." for r in rules)
+    lines.append(f"Rule on the resource: {NAME_RULE.message}.")
     lines.append("")
     lines.append("| status field | type | description |")
     lines.append("|---|---|---|")

@@ -7,31 +7,214 @@ descriptions. Field names are camelCase on the wire, as Kubernetes expects.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP, VERSION, KIND, PLURAL = "kvscale.dev", "v1alpha1", "InferenceDeployment", "inferencedeployments"
-QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+# Kubernetes' own name and value grammars (k8s.io/apimachinery/pkg/util/validation), written so
+# that RE2 (CEL's `matches`, in the API server) and Python's `re` read them the same way.
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # RFC 1035: Service names
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # most object names
+LABEL_KEY = (  # a qualified name: an optional DNS-subdomain prefix and `/`, a name of at most 63
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"  # and at most 63 characters
+CONFIG_KEY = r"^[-._a-zA-Z0-9]+$"  # a key of a Secret or ConfigMap
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# resource.Quantity's grammar (ParseQuantity): a signed decimal, then a binary-SI, decimal-SI or
+# integer-exponent suffix. CEL's isQuantity() is the API server's check; this is the models'.
+QUANTITY = r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+# Model sources. pvc:// takes a claim name (a DNS subdomain) and an optional path in it.
 URI = r"^(/|file:///|pvc://|builtin://)[^\s]*$"
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+PVC_URI = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*(/[^\s]*)?$"
+DOT_DOT = r"(^|/)\.\.(/|$)"
+NAME_MAX = 63  # the resource's name is a label value and the Service's name
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation rule, twice: CEL for the API server (refused at apply, with `message`) and
+    Python for the models (specs stored under an older CRD, and the unit tests)."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    optional_old_self: bool = False  # `oldSelf` is an optional: none on create
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rule": self.cel, "message": self.message}
+        if self.optional_old_self:
+            out["optionalOldSelf"] = True
+        return out
+
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern[str]:
+    # RE2's `$` (CEL's `matches`) is the end of the text; Python's also matches before a final
+    # newline. `\Z` is RE2's `$` in Python.
+    return re.compile(pattern.replace("$", r"\Z"))
+
+
+def search(pattern: str, value: str) -> bool:
+    """CEL's `value.matches(pattern)`, in Python."""
+    return _compiled(pattern).search(value) is not None
+
+
+def _matches(pattern: str) -> Callable[[Any], bool]:
+    return lambda value: search(pattern, value)
+
+
+def _cel(*rules: Rule) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [r.schema() for r in rules]}
+
+
+def _checked(base: Any, *rules: Rule, **field: Any) -> Any:
+    """`base` with `rules`: in the CRD as x-kubernetes-validations, in the models as a validator."""
+
+    def validate(value: Any) -> Any:
+        for rule in rules:
+            if not rule.check(value):
+                raise ValueError(rule.message)
+        return value
+
+    return Annotated[base, Field(json_schema_extra=_cel(*rules), **field), AfterValidator(validate)]
+
+
+def _quantity_positive(value: str) -> bool:
+    match = _compiled(QUANTITY).search(value)
+    return match is not None and not value.startswith("-") and float(match.group(1)) > 0
+
+
+def Quantity(what: str) -> Any:
+    return _checked(
+        str,
+        Rule(
+            "isQuantity(self) && quantity(self).sign() == 1",
+            f"must be a positive Kubernetes quantity such as {what}",
+            _quantity_positive,
+        ),
+        max_length=64,
+    )
+
+
+def ObjectName(what: str, max_length: int = 253) -> Any:
+    return _checked(
+        str,
+        Rule(
+            f"self.matches(r'{DNS_SUBDOMAIN}')",
+            f"must be the name of {what}: lowercase letters, digits, '-' and '.', starting and "
+            "ending with a letter or digit",
+            _matches(DNS_SUBDOMAIN),
+        ),
+        min_length=1,
+        max_length=max_length,
+    )
+
+
+LabelValue = _checked(
+    str,
+    Rule(
+        f"self.matches(r'{LABEL_VALUE}')",
+        "must be a label value: at most 63 letters, digits, '-', '_' and '.', starting and ending "
+        "with a letter or digit",
+        _matches(LABEL_VALUE),
+    ),
+    max_length=63,
+)
+
+_KEYS_RULE = Rule(
+    f"self.all(k, size(k) <= 317 && k.matches(r'{LABEL_KEY}'))",
+    "keys must be label keys: an optional DNS-subdomain prefix and '/', then at most 63 letters, "
+    "digits, '-', '_' and '.', starting and ending with a letter or digit",
+    lambda m: all(len(k) <= 317 and search(LABEL_KEY, k) for k in m),
+)
+# A map whose keys are label keys (node selectors, pod labels and annotations).
+LabelMap = _checked(dict[str, LabelValue], _KEYS_RULE, max_length=64)
+
+# The resource's name becomes the children's names, the Service's (a DNS-1035 label) included,
+# and a label value on every worker (at most 63). A rule on metadata.name must sit at the root,
+# where every status write runs it too: checked on create only (a name never changes), so a
+# resource created under an older CRD still takes status writes.
+NAME_RULE = Rule(
+    f"oldSelf.hasValue() || (size(self.metadata.name) <= {NAME_MAX} && "
+    f"self.metadata.name.matches(r'{DNS_LABEL}'))",
+    f"metadata.name must be at most {NAME_MAX} lowercase letters, digits and '-', starting with a "
+    "letter and ending with a letter or digit: it names the workers' Service and is a label value",
+    lambda name: len(name) <= NAME_MAX and search(DNS_LABEL, name),
+    optional_old_self=True,
+)
+
+
+def name_problem(name: str) -> str | None:
+    """Why a resource's name cannot name its children (None: it can). The CRD refuses such names;
+    this is for resources stored under an older CRD."""
+    return None if NAME_RULE.check(name) else NAME_RULE.message
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    """camelCase on the wire; `rules` are object-level rules, in the CRD and in the models."""
+
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @staticmethod
+    def _rules_schema(schema: dict[str, Any], cls: type) -> None:
+        if getattr(cls, "rules", ()):
+            schema.update(_cel(*cls.rules))
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        json_schema_extra=_rules_schema,
+    )
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> _Model:
+        for rule in type(self).rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
 
 
-def _cel(rule: str, message: str) -> dict[str, Any]:
-    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+Uri = _checked(
+    str,
+    Rule(
+        f"self.matches(r'{URI}')",
+        "must be an absolute path, file:///PATH, pvc://CLAIM/PATH or builtin://NAME",
+        _matches(URI),
+    ),
+    Rule(
+        f"!self.startsWith('pvc://') || self.matches(r'{PVC_URI}')",
+        "pvc:// needs the name of a PersistentVolumeClaim (lowercase letters, digits, '-' and '.'), "
+        "as in pvc://CLAIM/PATH",
+        lambda v: not v.startswith("pvc://") or search(PVC_URI, v),
+    ),
+    Rule(
+        r"!self.matches(r'^pvc://[^/]{254,}')",
+        "the claim name in pvc://CLAIM/PATH must be at most 253 characters",
+        lambda v: not search(r"^pvc://[^/]{254,}", v),
+    ),
+    Rule(
+        f"!self.matches(r'{DOT_DOT}')",
+        "must not contain '..' path segments",
+        lambda v: not search(DOT_DOT, v),
+    ),
+    max_length=1024,
+)
 
 
 class ModelSpec(_Model):
     """Which model the workers load and the name clients ask for."""
 
-    uri: str = Field(
-        pattern=URI,
-        max_length=1024,
+    uri: Uri = Field(
         description="Where the model folder is: an absolute path inside the worker container "
         "(`/models/llama`, also `file:///models/llama`), or `pvc://CLAIM/SUBPATH` to mount a "
         "PersistentVolumeClaim read-only at /models/CLAIM and load SUBPATH from it. The folder is a "
@@ -49,20 +232,20 @@ class ModelSpec(_Model):
 class SpeculativeSpec(_Model):
     """Speculative decoding: a cheap proposer guesses tokens, the model verifies them in one pass."""
 
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            "self.method != 'draft' || has(self.draftModelUri)", "method draft needs draftModelUri"
-        )
+    rules = (
+        Rule(
+            "self.method != 'draft' || has(self.draftModelUri)",
+            "method draft needs draftModelUri",
+            lambda s: s.method != "draft" or s.draft_model_uri is not None,
+        ),
     )
 
     method: Literal["draft", "ngram"] = Field(
         description="`draft`: a small model with the same tokenizer proposes; `ngram`: tokens that "
         "followed the last n tokens earlier in the prompt or output are proposed (no model)."
     )
-    draft_model_uri: str | None = Field(
+    draft_model_uri: Uri | None = Field(
         default=None,
-        pattern=URI,
-        max_length=1024,
         description="The draft model for method `draft`, in the same forms as model.uri.",
     )
     num_speculative_tokens: int = Field(
@@ -107,21 +290,47 @@ class EngineSpec(_Model):
     )
 
 
+GPUS_MESSAGE = (
+    "gpus must be 0 or 1: a worker runs its model on one GPU (tensor parallelism across several "
+    "is not supported yet), so more would be reserved and left idle; scale with replicas instead"
+)
+Gpus = _checked(int, Rule("self <= 1", GPUS_MESSAGE, lambda gpus: gpus <= 1), ge=0)
+
+
 class ResourcesSpec(_Model):
     """Compute for each worker pod."""
 
-    gpus: int = Field(default=0, ge=0, le=16, description="NVIDIA GPUs per worker (nvidia.com/gpu).")
-    cpu: str = Field(default="2", pattern=QUANTITY, description="CPU request and limit per worker.")
-    memory: str = Field(default="8Gi", pattern=QUANTITY, description="Memory request and limit per worker.")
+    gpus: Gpus = Field(
+        default=0,
+        description="NVIDIA GPUs per worker (nvidia.com/gpu): 0 or 1. A worker uses one device; for "
+        "more throughput run more replicas.",
+    )
+    cpu: Quantity("500m or 2") = Field(default="2", description="CPU request and limit per worker.")
+    memory: Quantity("512Mi or 8Gi") = Field(
+        default="8Gi", description="Memory request and limit per worker."
+    )
+    ephemeral_storage: Quantity("2Gi") = Field(
+        default="2Gi",
+        description="Local disk per worker: its ephemeral-storage request (the scheduler reserves "
+        "it on the node) and the size limit of the /tmp emptyDir that holds the caches (the kubelet "
+        "evicts a worker whose /tmp outgrows it).",
+    )
+    shared_memory: Quantity("1Gi") = Field(
+        default="1Gi",
+        description="Size limit of the memory-backed /dev/shm of GPU workers (torch's shared "
+        "memory); what it holds counts toward the memory limit.",
+    )
 
 
 class AutoscalingSpec(_Model):
     """Scale workers on KV-cache occupancy and queue depth (the operator's own autoscaler)."""
 
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            "self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas"
-        )
+    rules = (
+        Rule(
+            "self.minReplicas <= self.maxReplicas",
+            "minReplicas must not exceed maxReplicas",
+            lambda s: s.min_replicas <= s.max_replicas,
+        ),
     )
 
     min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest workers.")
@@ -173,24 +382,24 @@ class ServerSpec(_Model):
         le=86_400,
         description="How long a worker may take to load its model before restart.",
     )
-    api_key_secret: str | None = Field(
+    api_key_secret: ObjectName("a Secret") | None = Field(
         default=None,
-        max_length=253,
         description="Name of a Secret whose key `api-key` the workers require as a Bearer token.",
     )
 
 
 class KeyRef(_Model):
-    name: str = Field(max_length=253, description="Name of the Secret or ConfigMap.")
-    key: str = Field(max_length=253, description="Key within it.")
+    name: ObjectName("a Secret or ConfigMap") = Field(description="Name of the Secret or ConfigMap.")
+    key: str = Field(pattern=CONFIG_KEY, min_length=1, max_length=253, description="Key within it.")
 
 
 class EnvSource(_Model):
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
+    rules = (
+        Rule(
             "has(self.secretKeyRef) != has(self.configMapKeyRef)",
             "set exactly one of secretKeyRef, configMapKeyRef",
-        )
+            lambda s: (s.secret_key_ref is None) != (s.config_map_key_ref is None),
+        ),
     )
 
     secret_key_ref: KeyRef | None = Field(default=None, description="A key of a Secret.")
@@ -198,21 +407,62 @@ class EnvSource(_Model):
 
 
 class EnvVar(_Model):
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            "has(self.value) != has(self.valueFrom)", "set exactly one of value, valueFrom"
-        )
+    rules = (
+        Rule(
+            "has(self.value) != has(self.valueFrom)",
+            "set exactly one of value, valueFrom",
+            lambda s: (s.value is None) != (s.value_from is None),
+        ),
     )
 
-    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256, description="Variable name.")
+    name: str = Field(
+        pattern=ENV_NAME,
+        max_length=256,
+        description="Variable name. One the operator sets too (HOME, HF_HOME, HF_HUB_OFFLINE, "
+        "XDG_CACHE_HOME, TRITON_CACHE_DIR, KVSCALE_API_KEY) replaces the operator's value.",
+    )
     value: str | None = Field(default=None, description="Literal value.")
     value_from: EnvSource | None = Field(default=None, description="Value from a Secret or ConfigMap key.")
 
 
+LabelKey = _checked(
+    str,
+    Rule(
+        f"self.matches(r'{LABEL_KEY}')",
+        "must be a label key: an optional DNS-subdomain prefix and '/', then at most 63 letters, "
+        "digits, '-', '_' and '.', starting and ending with a letter or digit",
+        _matches(LABEL_KEY),
+    ),
+    max_length=317,
+)
+
+
 class Toleration(_Model):
-    key: str | None = Field(default=None, description="Taint key (empty with operator Exists: all taints).")
+    """A toleration of the worker pods (the Kubernetes field, with its rules checked at apply)."""
+
+    rules = (
+        Rule(
+            "has(self.key) || self.operator == 'Exists'",
+            "operator must be Exists when key is empty (which tolerates every taint)",
+            lambda t: t.key is not None or t.operator == "Exists",
+        ),
+        Rule(
+            "self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            "value must be empty when operator is Exists",
+            lambda t: t.operator != "Exists" or not t.value,
+        ),
+        Rule(
+            "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            "tolerationSeconds needs effect NoExecute",
+            lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+        ),
+    )
+
+    key: LabelKey | None = Field(
+        default=None, description="Taint key (empty with operator Exists: all taints)."
+    )
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value for Equal.")
+    value: LabelValue | None = Field(default=None, description="Taint value for Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to tolerate (empty: all)."
     )
@@ -221,14 +471,158 @@ class Toleration(_Model):
     )
 
 
+# The pod labels the operator sets; the Deployment, Service and PDB select the workers by the
+# first two. A user label may not take them (refused at apply, rather than silently dropped).
+RESERVED_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/managed-by",
+)
+RESERVED_PREFIX = f"{GROUP}/"
+_RESERVED_RULE = Rule(
+    "!self.exists(k, k in ["
+    + ", ".join(f"'{k}'" for k in RESERVED_LABELS)
+    + f"] || k.startsWith('{RESERVED_PREFIX}'))",
+    f"{', '.join(RESERVED_LABELS)} and {RESERVED_PREFIX}* are the operator's labels (the "
+    "Deployment, Service and PodDisruptionBudget select the workers by them)",
+    lambda m: not any(k in RESERVED_LABELS or k.startswith(RESERVED_PREFIX) for k in m),
+)
+PodLabels = _checked(dict[str, LabelValue], _KEYS_RULE, _RESERVED_RULE, max_length=64)
+Annotations = _checked(dict[str, str], _KEYS_RULE, max_length=64)
+
+
+class PodMetadata(_Model):
+    """Labels and annotations added to every worker pod."""
+
+    labels: PodLabels = Field(
+        default_factory=dict,
+        description="Labels of the worker pods. The operator's own (app.kubernetes.io/name, "
+        "/instance, /managed-by and kvscale.dev/*) are refused.",
+    )
+    annotations: Annotations = Field(
+        default_factory=dict,
+        description="Annotations of the worker pods. One the operator sets too (the prometheus.io "
+        "scrape annotations) takes the user's value. Changing them rolls the workers.",
+    )
+
+
+# Kubernetes-typed pass-through: kept as they are, checked by the API server on the Deployment
+# (a mistake there is reported on the resource's status, not at apply).
+_OPEN = {"x-kubernetes-preserve-unknown-fields": True}
+
+
+class Affinity(_Model):
+    """Scheduling affinity of the worker pods: the pod spec's `affinity`, passed through."""
+
+    node_affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_OPEN,
+        description="Node affinity (see `kubectl explain pod.spec.affinity.nodeAffinity`).",
+    )
+    pod_affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_OPEN,
+        description="Pod affinity (see `kubectl explain pod.spec.affinity.podAffinity`).",
+    )
+    pod_anti_affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_OPEN,
+        description="Pod anti-affinity, e.g. one worker per node (see `kubectl explain "
+        "pod.spec.affinity.podAntiAffinity`).",
+    )
+
+
+class TopologySpreadConstraint(_Model):
+    """How the workers spread across zones or nodes (the pod spec's field)."""
+
+    rules = (
+        Rule(
+            "!has(self.minDomains) || self.whenUnsatisfiable == 'DoNotSchedule'",
+            "minDomains needs whenUnsatisfiable DoNotSchedule",
+            lambda c: c.min_domains is None or c.when_unsatisfiable == "DoNotSchedule",
+        ),
+    )
+
+    max_skew: int = Field(ge=1, le=1000, description="Most workers one domain may have beyond another.")
+    topology_key: LabelKey = Field(
+        description="Node label that defines the domains, e.g. topology.kubernetes.io/zone."
+    )
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
+        description="DoNotSchedule: keep the worker pending; ScheduleAnyway: prefer, do not require."
+    )
+    label_selector: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_OPEN,
+        description="Pods counted in each domain (a LabelSelector). Default: this resource's workers.",
+    )
+    match_label_keys: list[LabelKey] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Pod label keys whose values also select the counted pods (e.g. "
+        "pod-template-hash: spread each rollout's pods).",
+    )
+    min_domains: int | None = Field(default=None, ge=1, le=1000, description="Fewest eligible domains.")
+    node_affinity_policy: Literal["Honor", "Ignore"] | None = Field(
+        default=None, description="Whether the pod's node affinity limits the domains."
+    )
+    node_taints_policy: Literal["Honor", "Ignore"] | None = Field(
+        default=None, description="Whether node taints limit the domains."
+    )
+
+
+class LocalObjectReference(_Model):
+    name: ObjectName("a Secret") = Field(description="Name of the Secret.")
+
+
+class RolloutSpec(_Model):
+    """How a spec change replaces the workers (the Deployment's RollingUpdate)."""
+
+    rules = (
+        Rule(
+            "self.maxSurge > 0 || self.maxUnavailable > 0",
+            "maxSurge and maxUnavailable cannot both be 0: the rollout could never start",
+            lambda r: r.max_surge > 0 or r.max_unavailable > 0,
+        ),
+    )
+
+    max_surge: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Extra workers started above the wanted count during a rollout. 0 for a full "
+        "GPU pool (with maxUnavailable 1: stop one old worker, then start its replacement).",
+    )
+    max_unavailable: int = Field(
+        default=0,
+        ge=0,
+        le=1000,
+        description="Workers below the wanted count allowed during a rollout.",
+    )
+
+
+def _unique(items: list[Any], key: Callable[[Any], Any], what: str) -> list[Any]:
+    keys = [key(i) for i in items]
+    dupes = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if dupes:
+        raise ValueError(f"{what} must be unique: {', '.join(dupes)} repeated")
+    return items
+
+
+def _list_map(*keys: str) -> dict[str, Any]:
+    """A list merged by key (server-side apply, strategic merge), whose keys the API server
+    refuses to see twice."""
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
+
+
 class InferenceDeploymentSpec(_Model):
     """An autoscaled, OpenAI-compatible model endpoint: worker pods, a Service and a disruption budget."""
 
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
+    rules = (
+        Rule(
             "!(has(self.replicas) && has(self.autoscaling))",
             "set either replicas or autoscaling, not both",
-        )
+            lambda s: s.replicas is None or s.autoscaling is None,
+        ),
     )
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -237,6 +631,7 @@ class InferenceDeploymentSpec(_Model):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Compute for each worker.")
     image: str | None = Field(
         default=None,
+        pattern=r"^\S+$",
         max_length=512,
         description="Worker image. Default: the operator's configured worker image.",
     )
@@ -253,15 +648,62 @@ class InferenceDeploymentSpec(_Model):
     server: ServerSpec = Field(
         default_factory=ServerSpec, description="HTTP server and lifecycle of the workers."
     )
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, description="Node labels the worker pods require."
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How spec changes replace the workers. Default: start one new worker before "
+        "stopping an old one.",
     )
+    node_selector: LabelMap = Field(default_factory=dict, description="Node labels the worker pods require.")
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Taints the workers tolerate."
     )
-    env: list[EnvVar] = Field(
-        default_factory=list, max_length=64, description="Extra environment variables of the workers."
+    affinity: Affinity | None = Field(default=None, description="Scheduling affinity of the workers.")
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list,
+        max_length=8,
+        json_schema_extra=_list_map("topologyKey", "whenUnsatisfiable"),
+        description="How the workers spread across zones or nodes.",
     )
+    priority_class_name: ObjectName("a PriorityClass") | None = Field(
+        default=None, description="PriorityClass of the worker pods."
+    )
+    runtime_class_name: ObjectName("a RuntimeClass") | None = Field(
+        default=None,
+        description="RuntimeClass of the worker pods, e.g. `nvidia` where the NVIDIA container "
+        "runtime is not the node's default.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=_list_map("name"),
+        description="Secrets to pull the worker image with.",
+    )
+    pod_metadata: PodMetadata = Field(
+        default_factory=PodMetadata, description="Labels and annotations of the worker pods."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=_list_map("name"),
+        description="Extra environment variables of the workers.",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names_unique(cls, env: list[EnvVar]) -> list[EnvVar]:
+        return _unique(env, lambda v: v.name, "env names")
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets_unique(cls, refs: list[LocalObjectReference]) -> list[LocalObjectReference]:
+        return _unique(refs, lambda r: r.name, "imagePullSecrets names")
+
+    @field_validator("topology_spread_constraints")
+    @classmethod
+    def _spread_unique(cls, cs: list[TopologySpreadConstraint]) -> list[TopologySpreadConstraint]:
+        return _unique(
+            cs, lambda c: (c.topology_key, c.when_unsatisfiable), "topologyKey, whenUnsatisfiable pairs"
+        )
 
     @property
     def desired_replicas(self) -> int | None:
@@ -271,9 +713,18 @@ class InferenceDeploymentSpec(_Model):
         return 1 if self.replicas is None else self.replicas
 
 
+# Condition types are open (metav1.Condition's grammar, no enum): an older CRD must accept the
+# status a newer operator writes, with condition types it does not know yet.
+CONDITION_TYPE = LABEL_KEY
+
+
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded", "ScalingActive"]
-    status: Literal["True", "False", "Unknown"]
+    type: str = Field(
+        pattern=CONDITION_TYPE,
+        max_length=316,
+        description="Ready, Progressing, Degraded or ScalingActive (newer operators may add types).",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable details.")
     last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
@@ -327,7 +778,9 @@ class InferenceDeploymentStatus(_Model):
         default=None, description="The autoscaler's signals and its last decisions."
     )
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded, ScalingActive."
+        default_factory=list,
+        json_schema_extra=_list_map("type"),
+        description="Ready, Progressing, Degraded, ScalingActive: one per type.",
     )
 
 
