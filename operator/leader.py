@@ -37,6 +37,7 @@ from typing import Any
 
 import aiohttp
 from kubernetes import client
+from kubernetes.client import rest
 from kubernetes.client.rest import ApiException
 
 logger = logging.getLogger(__name__)
@@ -274,14 +275,18 @@ def fence_api_client(api: client.ApiClient, fence: Fence, timeout: Any = API_TIM
     """Every request of this Kubernetes client: a write checks the fence, and a request without
     its own timeout gets `timeout` (the client's default is none: a hung call hangs forever).
     Wrapped at the REST client, which every call of every client version goes through."""
-    rest = api.rest_client
-    send = rest.request
+    # urllib3 re-sends inside one call (after a connection error, and PUT or DELETE after a read
+    # error), seconds after the check: a write leaves once or not at all. The loops above retry.
+    api.configuration.retries = False
+    rest_client = rest.RESTClientObject(api.configuration)
+    send = rest_client.request
 
     def request(method: str, url: str, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
         fence.check(method, url)
         return send(method, url, *args, _request_timeout=_request_timeout or timeout, **kwargs)
 
-    rest.request = request
+    rest_client.request = request
+    api.rest_client = rest_client
 
 
 def fence_trace(fence: Fence) -> aiohttp.TraceConfig:

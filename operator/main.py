@@ -142,12 +142,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
     if args.health_port:
         _health_server(args.health_host, args.health_port)
-    # The Lease has a client of its own, never fenced; every other request (handlers.api(), the
-    # autoscaler's) goes through the fenced one, with a timeout.
-    coordination = client.CoordinationV1Api(client.ApiClient(api().configuration))
-    lock = LeaseLock(coordination, args.namespace, args.lease_name, args.identity, timings)
+    # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
+    # with a timeout; the Lease has a client of its own, outside the fence (same settings: no
+    # re-sends inside urllib3, so none of its writes leaves after its attempt's deadline).
     fence = Fence(timings)
     fence_api_client(api(), fence)
+    coordination = client.CoordinationV1Api(client.ApiClient(api().configuration))
+    lock = LeaseLock(coordination, args.namespace, args.lease_name, args.identity, timings)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

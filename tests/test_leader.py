@@ -365,6 +365,9 @@ class Recorder(BaseHTTPRequestHandler):
         type(self).seen.append((self.command, self.path))
         if "hang" in self.path:
             time.sleep(30)
+        if "drop" in self.path:  # the connection breaks before an answer
+            self.close_connection = True
+            return
         length = int(self.headers.get("Content-Length") or 0)
         self.rfile.read(length)
         body = json.dumps({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}}).encode()
@@ -412,6 +415,12 @@ def test_the_kubernetes_client_is_fenced_and_times_out(api_server):
     with pytest.raises(Exception, match=r"(?i)timed? ?out"):
         core.read_namespaced_config_map("hang", "ns")
     assert time.monotonic() - started < 10  # the server answers after 30 s
+    # A write leaves once: urllib3 would re-send a PUT whose connection broke, past the check.
+    Recorder.seen.clear()
+    clock.t = 0.0
+    with pytest.raises(Exception, match=r"(?i)disconnect|aborted|closed"):
+        core.replace_namespaced_config_map("drop", "ns", {"metadata": {"name": "drop"}})
+    assert Recorder.seen == [("PUT", "/api/v1/namespaces/ns/configmaps/drop")]
 
 
 async def _aiohttp_server(seen: list[str], release: asyncio.Event) -> web.AppRunner:
