@@ -476,37 +476,48 @@ def test_kopfs_session_is_fenced_before_the_request_and_again_once_connected():
     assert asyncio.run(run()) == ["PATCH /ok", "GET /slow", "GET /read"]
 
 
-def test_kopf_logs_in_with_a_fenced_session(tmp_path, monkeypatch):
-    """main._fenced_login: kopf's credentials from the kubeconfig, its session fenced."""
+async def _login(fence: Fence, server: str, tmp_path, monkeypatch):
+    """main._fenced_login with kopf's credentials from a kubeconfig that points at `server`."""
     import kopf
     from kubernetes.config import kube_config
 
     from kvscale.operator.main import _fenced_login
 
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": "secret-token"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    (tmp_path / "kubeconfig").write_text(json.dumps(config))
+    # (the client reads $KUBECONFIG once, at import)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    login = _fenced_login(fence)
+    return await login(logger=logging.getLogger("t"), settings=kopf.OperatorSettings())
+
+
+@pytest.fixture
+def default_config():
+    yield
+    client.Configuration.set_default(None)  # login_via_client loads the kubeconfig as the default
+
+
+def test_kopf_logs_in_with_a_fenced_session(tmp_path, monkeypatch, default_config):
     clock = FakeClock(0.0)
     fence = Fence(T, clock=clock)
     fence.renewed(0.0)
 
-    async def run() -> tuple[list[str], kopf.AiohttpSession]:
+    async def run() -> list[str]:
         seen: list[str] = []
         runner = await _aiohttp_server(seen, asyncio.Event())
         server = f"http://127.0.0.1:{_port(runner)}"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "c", "cluster": {"server": server}}],
-            "users": [{"name": "u", "user": {"token": "secret-token"}}],
-            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-            "current-context": "x",
-        }
-        (tmp_path / "kubeconfig").write_text(json.dumps(config))
-        # (the client reads $KUBECONFIG once, at import)
-        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "kubeconfig"))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        login = _fenced_login(fence)
-        info = await login(logger=logging.getLogger("t"), settings=kopf.OperatorSettings())
+        info = await _login(fence, server, tmp_path, monkeypatch)
         assert info.server == server
         session = info.aiohttp_session
+        assert session.headers["Authorization"] == "Bearer secret-token"
         try:
             async with session.patch(f"{server}/a", json={}) as r:
                 assert r.status == 200
@@ -516,13 +527,47 @@ def test_kopf_logs_in_with_a_fenced_session(tmp_path, monkeypatch):
         finally:
             await session.close()
             await runner.cleanup()
-        return seen, info
+        return seen
 
-    try:
-        seen, _ = asyncio.run(run())
-    finally:
-        client.Configuration.set_default(None)
-    assert seen == ["PATCH /a"]
+    assert asyncio.run(run()) == ["PATCH /a"]
+
+
+def test_kopfs_own_requests_are_refused_once_not_retried(tmp_path, monkeypatch, default_config):
+    """Through kopf's request path (its vault, its retrying `api.request`; kopf internals, pinned
+    in requirements/operator.txt): a refused write is not one of the errors kopf retries."""
+    import kopf
+    from kopf._cogs.clients import api as kopf_api
+    from kopf._cogs.clients import auth as kopf_auth
+    from kopf._cogs.structs import credentials
+
+    clock = FakeClock(0.0)
+    fence = Fence(T, clock=clock)
+    fence.renewed(0.0)
+    settings = kopf.OperatorSettings()
+    settings.networking.error_backoffs = [0.01, 0.01]
+    log = logging.getLogger("t")
+
+    async def run() -> list[str]:
+        seen: list[str] = []
+        runner = await _aiohttp_server(seen, asyncio.Event())
+        info = await _login(fence, f"http://127.0.0.1:{_port(runner)}", tmp_path, monkeypatch)
+        vault = credentials.Vault()
+        await vault.populate({"fenced": info})
+        kopf_auth.vault_var.set(vault)
+        try:
+            await kopf_api.patch("/apis/x/status", payload={}, settings=settings, logger=log)
+            clock.t = 10.0
+            with pytest.raises(NotLeader):
+                await kopf_api.patch("/apis/x/status", payload={}, settings=settings, logger=log)
+            with pytest.raises(NotLeader):
+                await kopf_api.post("/api/v1/namespaces/ns/events", payload={}, settings=settings, logger=log)
+            await kopf_api.get("/apis/x", settings=settings, logger=log)
+        finally:
+            await vault.close()
+            await runner.cleanup()
+        return seen
+
+    assert asyncio.run(run()) == ["PATCH /apis/x/status", "GET /apis/x"]
 
 
 def test_kopf_gets_a_timeout_on_every_call():
