@@ -1,11 +1,13 @@
 """`kvscale-operator`: run the operator, or print its CRD / reference.
 
     kvscale-operator run [--namespace NS] [--lease-name NAME] [--identity ID] [--health-port 8080]
+                         [--lease-duration 15] [--renew-deadline 10] [--retry-period 2]
     kvscale-operator crd [--markdown]
 
 `run` waits to hold the Lease (standby replicas wait here), then runs the kopf handlers
-cluster-wide until SIGTERM (exit 0, the Lease handed back) or until the Lease is lost (exit 1, so
-the pod restarts as a standby). Credentials: in-cluster, else KUBECONFIG / ~/.kube/config.
+cluster-wide until SIGTERM (exit 0, the Lease handed back) or until it could not renew the Lease
+within the renew deadline (it stops writing at once, then exits 1, so the pod restarts as a
+standby). Credentials: in-cluster, else KUBECONFIG / ~/.kube/config.
 """
 
 from __future__ import annotations
@@ -14,13 +16,21 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logger = logging.getLogger("kvscale.operator")
+EXIT_GRACE_S = 30.0  # after losing the lease, how long kopf may take to stop
+
+
+def _env_number(name: str, kind: type, default: float) -> float:
+    value = os.environ.get(name)
+    return kind(value) if value else default
 
 
 def _health_server(host: str, port: int) -> None:
@@ -38,49 +48,107 @@ def _health_server(host: str, port: int) -> None:
     threading.Thread(target=server.serve_forever, daemon=True, name="health").start()
 
 
-async def _lead(lock, renew_s: float) -> int:
+def _fenced_login(fence):
+    """kopf's login, with kopf's own requests fenced: its status bookkeeping and events are
+    writes too, and a leader past its renew deadline must make none."""
+
+    async def login(**kwargs):
+        import aiohttp
+        import kopf
+
+        from kvscale.operator.leader import fence_trace
+
+        info = kopf.login_via_client(**kwargs)  # in-cluster, else the kubeconfig, as kopf would
+        if info is None:
+            raise kopf.LoginError("no credentials: the Kubernetes client is not installed")
+        # As kopf builds its own session (auth.APIContext; the credentials are in the headers),
+        # plus the fence.
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=info.as_ssl_context()),
+            headers=info.as_http_headers(),
+            trust_env=info.trust_env,
+            trace_configs=[fence_trace(fence)],
+        )
+        return kopf.AiohttpSession(
+            aiohttp_session=session,
+            server=info.server,
+            default_namespace=info.default_namespace,
+            priority=info.priority,
+        )
+
+    return login
+
+
+def _timeouts(settings, **_) -> None:
+    """No API call of kopf's without a timeout (kopf's defaults: none to connect, none on a watch)."""
+    settings.networking.request_timeout = settings.networking.request_timeout or 60
+    settings.networking.connect_timeout = settings.networking.connect_timeout or 10
+    settings.watching.connect_timeout = settings.watching.connect_timeout or 10
+    # A watch lives server_timeout; one that outlives it by a minute is dead (kopf's own
+    # inactivity_timeout also restarts a stream that sent nothing, not even a bookmark).
+    settings.watching.client_timeout = (settings.watching.server_timeout or 300) + 60
+
+
+async def _lead(lock, fence) -> int:
+    """Run kopf while the lease is ours (leader.keep_renewing); when it is lost, stop kopf and
+    the autoscaler tasks (their writes are refused already, by the fence) and exit 1."""
     import kopf
 
-    import kvscale.operator.autoscaler  # registers the autoscaler's event handler
-    import kvscale.operator.handlers  # noqa: F401 (registers the handlers)
+    from kvscale.operator import autoscaler
+    from kvscale.operator.leader import keep_renewing
 
     stop = asyncio.Event()
     lost = False
 
-    async def keep_lease() -> None:
+    async def guard() -> None:
         nonlocal lost
-        while not stop.is_set():
-            await asyncio.sleep(renew_s)
-            try:
-                held = await asyncio.to_thread(lock.try_acquire)
-            except Exception:
-                logger.exception("lease renewal failed")
-                held = False
-            if not held:
-                lost = True
-                logger.error("lost the lease; stopping")
-                stop.set()
+        lost = await keep_renewing(lock, fence, stop)
+        if lost:
+            logger.error("lost the lease; stopping", extra={"holder": lock.holder()})
+            autoscaler.stop_all()
+            stop.set()
+            # kopf stops within seconds; should it hang, a fenced process must not linger
+            # (it would never stand by again): exit regardless.
+            timer = threading.Timer(EXIT_GRACE_S, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
 
-    keeper = asyncio.create_task(keep_lease())
+    kopf.on.login()(_fenced_login(fence))
+    kopf.on.startup()(_timeouts)
+    keeper = asyncio.create_task(guard())
     try:
         # standalone: our Lease replaces kopf's peering; kopf stops on SIGTERM or on `stop`.
         await kopf.operator(clusterwide=True, standalone=True, stop_flag=stop)
     finally:
         stop.set()
         keeper.cancel()
-    if lost:
+        autoscaler.stop_all()
+        if not lost and not fence.may_act():  # kopf stopped first (e.g. on a refused write)
+            logger.error("lost the lease: the renew deadline passed; stopping")
+    if lost or not fence.may_act():
         return 1
-    lock.release()
+    await asyncio.to_thread(lock.release, fence.timings.retry_period_s)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kvscale.operator.handlers import api
-    from kvscale.operator.leader import LeaseLock
+    from kubernetes import client
 
+    # Imported (the handlers registered) before standing by: a standby that wins starts at once.
+    import kvscale.operator.autoscaler  # noqa: F401 (registers the autoscaler's event handler)
+    from kvscale.operator.handlers import api
+    from kvscale.operator.leader import JITTER, Fence, LeaseLock, Timings, fence_api_client
+
+    timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
     if args.health_port:
         _health_server(args.health_host, args.health_port)
-    lock = LeaseLock(api(), args.namespace, args.lease_name, args.identity, duration_s=args.lease_seconds)
+    # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
+    # with a timeout; the Lease has a client of its own, outside the fence (same settings: no
+    # re-sends inside urllib3, so none of its writes leaves after its attempt's deadline).
+    fence = Fence(timings)
+    fence_api_client(api(), fence)
+    coordination = client.CoordinationV1Api(client.ApiClient(api().configuration))
+    lock = LeaseLock(coordination, args.namespace, args.lease_name, args.identity, timings)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
@@ -88,16 +156,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         "waiting for the lease",
         extra={"lease": f"{args.namespace}/{args.lease_name}", "identity": args.identity},
     )
-    while not lock.try_acquire():
-        if stopping.wait(2.0):
+    while True:
+        try:
+            started = lock.try_acquire_or_renew(time.monotonic() + timings.renew_deadline_s)
+        except Exception as e:
+            logger.warning("reading the lease failed: %s", e)
+            started = None
+        if started is not None:
+            break
+        # client-go's jitter (a retry period x [1, 2.2)), so that standbys do not poll in step
+        if stopping.wait(random.uniform(1, 1 + JITTER) * timings.retry_period_s):
             return 0  # stopped while standing by
+    fence.renewed(started)
     logger.info("leading", extra={"identity": args.identity})
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on kopf handles the signals
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if stopping.is_set():
-        lock.release()
+        lock.release(timings.retry_period_s)
         return 0
-    return asyncio.run(_lead(lock, renew_s=args.lease_seconds / 3))
+    return asyncio.run(_lead(lock, fence))
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -121,7 +198,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--lease-name", default="kvscale-operator")
     run.add_argument("--identity", default=os.environ.get("POD_NAME") or socket.gethostname())
     run.add_argument(
-        "--lease-seconds", type=int, default=15, help="a dead leader is replaced after this long"
+        "--lease-duration",
+        type=int,
+        default=_env_number("KVSCALE_LEASE_DURATION", int, 15),
+        help="seconds: a leader that stopped renewing is replaced after this long "
+        "(env KVSCALE_LEASE_DURATION)",
+    )
+    run.add_argument(
+        "--renew-deadline",
+        type=float,
+        default=_env_number("KVSCALE_RENEW_DEADLINE", float, 10.0),
+        help="seconds: a leader that could not renew for this long stops acting; below --lease-duration "
+        "(env KVSCALE_RENEW_DEADLINE)",
+    )
+    run.add_argument(
+        "--retry-period",
+        type=float,
+        default=_env_number("KVSCALE_RETRY_PERIOD", float, 2.0),
+        help="seconds between renewals, and between a standby's tries (env KVSCALE_RETRY_PERIOD)",
     )
     run.add_argument("--health-port", type=int, default=8080, help="/healthz and /readyz (0: off)")
     run.add_argument(
@@ -134,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     crd.add_argument("--markdown", action="store_true")
     crd.set_defaults(func=cmd_crd)
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from kvscale.operator.leader import Timings
+
+        try:
+            Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+        except ValueError as e:
+            parser.error(str(e))
 
     from kvscale.worker.server.json_logging import configure_logging
 

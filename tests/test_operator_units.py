@@ -1,9 +1,8 @@
 """The operator's pure parts: the CRD is generated from the models and committed, the children
-say what the spec asks, status follows the Deployment, and the lease decision."""
+say what the spec asks, status follows the Deployment (the lease decisions: test_leader.py)."""
 
 from __future__ import annotations
 
-import datetime as dt
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from kvscale.operator.children import (
     selector_string,
 )
 from kvscale.operator.crd import crd, crd_yaml, reference_markdown
-from kvscale.operator.leader import may_hold
 from kvscale.operator.models import InferenceDeploymentSpec
 from kvscale.operator.status import compute_status
 
@@ -283,15 +281,6 @@ def test_status_reports_failures_and_scale_to_zero():
         **common, desired=None, deployment=deployment_status(3, 3, 3, 3), previous_conditions=[]
     )
     assert auto["ready"] == "3/3"
-
-
-def test_lease_decision():
-    now = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
-    fresh, stale = now - dt.timedelta(seconds=5), now - dt.timedelta(seconds=20)
-    assert may_hold(None, None, 15, "me", now)
-    assert may_hold("me", fresh, 15, "me", now)
-    assert not may_hold("other", fresh, 15, "me", now)
-    assert may_hold("other", stale, 15, "me", now)
 
 
 def test_examples_validate_against_the_models():
