@@ -82,6 +82,10 @@ def status_schema() -> dict[str, Any]:
     schema.pop("additionalProperties", None)
     # kopf keeps its progress and diff base under status.kopf, in its own shape.
     schema["properties"]["kopf"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    # A map keyed by type: each status writer's server-side apply owns its own conditions.
+    schema["properties"]["conditions"].update(
+        {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+    )
     return schema
 
 
