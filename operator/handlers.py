@@ -407,20 +407,28 @@ def pdb_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     _child_changed("PodDisruptionBudget", body, type)
 
 
+def list_resources() -> list[dict[str, Any]]:
+    return client.CustomObjectsApi(api()).list_cluster_custom_object(
+        GROUP, VERSION, PLURAL, _request_timeout=API_TIMEOUT_S
+    )["items"]
+
+
+def list_children(kind: str) -> list[dict[str, Any]]:
+    """Our children of `kind` in every namespace (a list's items carry no apiVersion or kind)."""
+    listed = _ops(kind)[2](
+        label_selector=CHILD_SELECTOR, _preload_content=False, _request_timeout=API_TIMEOUT_S
+    )
+    return _json(listed)["items"]
+
+
 def resync() -> None:
     """Every resource and its children as the API server has them now (four LISTs), through
     the same sync the watchers use: writes only what drifted or what a missed event left."""
-    resources = client.CustomObjectsApi(api()).list_cluster_custom_object(
-        GROUP, VERSION, PLURAL, _request_timeout=API_TIMEOUT_S
-    )["items"]
-    live: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
-    for kind in CHILD_KINDS:
-        listed = _json(
-            _ops(kind)[2](
-                label_selector=CHILD_SELECTOR, _preload_content=False, _request_timeout=API_TIMEOUT_S
-            )
-        )
-        live[kind] = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in listed["items"]}
+    resources = list_resources()
+    live = {
+        kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
+        for kind in CHILD_KINDS
+    }
     for cr in resources:
         key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
         seen = {kind: live[kind].get(key) for kind in CHILD_KINDS}

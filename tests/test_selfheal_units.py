@@ -445,3 +445,23 @@ def test_a_failed_status_write_is_retried_not_left_stale(cluster, monkeypatch):
     monkeypatch.setattr(handlers, "apply_status", write)
     handlers.sync_or_retry("ns", "tiny", apply_all=True)  # what the resync task runs when it is due
     assert cluster.resource["status"]["readyReplicas"] == 2 and not handlers.retries._due
+
+
+def test_the_resync_heals_what_no_event_reported_and_writes_nothing_else(cluster, monkeypatch):
+    reconcile()
+    listed = lambda kind: [  # noqa: E731
+        {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
+        for o in ([cluster.objects[kind]] if kind in cluster.objects else [])
+    ]
+    monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
+    monkeypatch.setattr(handlers, "list_children", listed)
+    cluster.calls.clear()
+    handlers.resync()
+    assert cluster.writes() == []  # all as applied: not one write, not one extra read
+    assert [c for c in cluster.calls if c[0] == "get"] == []
+    del cluster.objects["PodDisruptionBudget"]  # its DELETED event was missed
+    cluster.objects["Service"]["spec"]["ports"][0]["port"] = 9999
+    handlers.resync()
+    assert "PodDisruptionBudget" in cluster.objects
+    assert cluster.objects["Service"]["spec"]["ports"][0]["port"] == 8000
+    assert ("patch", "Deployment") not in cluster.writes()
