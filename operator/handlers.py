@@ -275,17 +275,21 @@ def sync(
         if status_changed(status, new):
             _announce_transitions(cr, previous, new["conditions"])
             apply_status(namespace, name, new, MANAGER)
-        if full and spec is not None and spec.autoscaling is None and _has_autoscaler_status(status):
-            # The autoscaler stopped: its fields go (only an apply by their manager removes them).
+        if spec is not None and spec.autoscaling is None and _has_autoscaler_status(cr):
+            # The autoscaler stopped: its fields go (only an apply by their manager removes them;
+            # asked on every sync, so a last write of a stopping autoscaler goes too).
             apply_status(namespace, name, {}, AUTOSCALER_MANAGER)
         return error if error is not None and error[0] == "ApplyFailed" else None
 
 
-def _has_autoscaler_status(status: dict[str, Any]) -> bool:
-    return (
-        status.get("autoscaling") is not None
-        or status.get("kvCacheUsage") is not None
-        or any(c.get("type") == "ScalingActive" for c in status.get("conditions") or [])
+def _has_autoscaler_status(cr: dict[str, Any]) -> bool:
+    """Whether the autoscaler's field manager still owns status fields (an empty apply by it
+    removes them; once it owns none, it leaves managedFields, so this is asked once)."""
+    return any(
+        f.get("manager") == AUTOSCALER_MANAGER
+        and f.get("operation") == "Apply"
+        and f.get("subresource") == "status"
+        for f in cr["metadata"].get("managedFields") or []
     )
 
 

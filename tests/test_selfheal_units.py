@@ -427,8 +427,15 @@ def test_switching_autoscaling_off_removes_the_autoscalers_fields_through_its_ow
         "autoscaling": {"desiredReplicas": 3},
         "conditions": [{"type": "ScalingActive", "status": "True", "reason": "MetricsAvailable"}],
     }
+    owned = {"manager": AUTOSCALER_MANAGER, "operation": "Apply", "subresource": "status"}
+    cluster.resource["metadata"]["managedFields"] = [owned]
     reconcile()
     assert ("patch", f"status/{AUTOSCALER_MANAGER}") in cluster.writes()
+    # Once the autoscaler's manager owns nothing, the API server drops it from managedFields.
+    cluster.resource["metadata"]["managedFields"] = []
+    cluster.calls.clear()
+    deployment_event(cluster)
+    assert ("patch", f"status/{AUTOSCALER_MANAGER}") not in cluster.writes()
 
 
 def test_a_failed_status_write_is_retried_not_left_stale(cluster, monkeypatch):
