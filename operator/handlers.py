@@ -57,7 +57,7 @@ from kvscale.operator.heal import (
     permanent,
     rejected,
 )
-from kvscale.operator.models import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
+from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 from kvscale.operator.status import compute_status, status_apply, status_changed
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,37 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # cluster. (A handler's `labels=` filter is applied in the operator, after the streaming.)
     for resource in CHILD_RESOURCES.values():
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
+
+
+def post_event(cr: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+    """A core/v1 Event on the resource. Our own poster rather than kopf.info: kopf's works only
+    inside its handlers, and the resync task is not one. Best effort: a lost event is logged."""
+    meta = cr["metadata"]
+    stamp = now()
+    event = {
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": MANAGER},
+        "reportingComponent": MANAGER,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        client.CoreV1Api(api()).create_namespaced_event(
+            meta["namespace"], event, _request_timeout=API_TIMEOUT_S
+        )
+    except (ApiException, *NETWORK_ERRORS) as e:
+        logger.warning("could not post the event %s on %s: %s", reason, meta["name"], _api_message(e))
 
 
 def _lock(namespace: str, name: str) -> threading.Lock:
@@ -334,12 +365,12 @@ def _apply_children(
         )
         wrote = wrote or changed
         if before is None:
-            kopf.info(cr, reason="Created", message=f"created {kind} {name} for generation {generation}")
+            post_event(cr, "Created", f"created {kind} {name} for generation {generation}")
         elif changed and apply_all:
-            kopf.info(cr, reason="Updated", message=f"updated {kind} {name} to generation {generation}")
+            post_event(cr, "Updated", f"updated {kind} {name} to generation {generation}")
         elif changed:
             where = ", ".join(drift[:3]) + (", ..." if len(drift) > 3 else "")
-            kopf.info(cr, reason="Reverted", message=f"re-applied {kind} {name}: {where} had been changed")
+            post_event(cr, "Reverted", f"re-applied {kind} {name}: {where} had been changed")
     return None, wrote
 
 
@@ -352,8 +383,8 @@ def _announce_transitions(body: Any, previous: list[dict], current: list[dict]) 
         if c["type"] == "Ready" and c["reason"] in APPLY_FAILURES:
             continue  # Degraded tells it, once
         if c["type"] in ("Ready", "Degraded") and moved:
-            post = kopf.warn if (c["type"] == "Degraded") == (c["status"] == "True") else kopf.info
-            post(body, reason=f"{c['type']}{c['status']}", message=f"{c['reason']}: {c['message']}")
+            warning = (c["type"] == "Degraded") == (c["status"] == "True")
+            post_event(body, f"{c['type']}{c['status']}", f"{c['reason']}: {c['message']}", warning=warning)
 
 
 def sync_or_retry(namespace: str, name: str, **kwargs: Any) -> None:
@@ -443,14 +474,16 @@ async def _resync_forever() -> None:
     next_full = time.monotonic() + RESYNC_S
     while True:
         await asyncio.sleep(1.0)
-        for namespace, name in retries.pop_due():
-            await asyncio.to_thread(sync_or_retry, namespace, name, apply_all=True)
-        if time.monotonic() >= next_full:
-            next_full = time.monotonic() + RESYNC_S
-            try:
+        try:  # nothing may end this task: it is the safety net
+            for namespace, name in retries.pop_due():
+                await asyncio.to_thread(sync_or_retry, namespace, name, apply_all=True)
+            if time.monotonic() >= next_full:
+                next_full = time.monotonic() + RESYNC_S
                 await asyncio.to_thread(resync)
-            except (ApiException, *NETWORK_ERRORS) as e:
-                logger.warning("resync failed: %s", _api_message(e))
+        except (ApiException, *NETWORK_ERRORS) as e:
+            logger.warning("resync failed: %s", _api_message(e))
+        except Exception:
+            logger.exception("resync failed")
 
 
 _resync_task: asyncio.Task | None = None

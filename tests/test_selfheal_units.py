@@ -284,10 +284,13 @@ def cluster(monkeypatch) -> FakeAPI:
     monkeypatch.setattr(handlers, "apply_status", fake.apply_status)
     monkeypatch.setattr(handlers, "worker_image", lambda: "img:1")
     monkeypatch.setattr(handlers, "retries", RetryQueue())
-    for level in ("info", "warn", "exception"):
-        monkeypatch.setattr(
-            kopf, level, lambda body, *, reason, message, _l=level: fake.events.append((_l, reason, message))
-        )
+    monkeypatch.setattr(
+        handlers,
+        "post_event",
+        lambda cr, reason, message, *, warning=False: fake.events.append(
+            ("warn" if warning else "info", reason, message)
+        ),
+    )
     return fake
 
 
@@ -472,3 +475,26 @@ def test_the_resync_heals_what_no_event_reported_and_writes_nothing_else(cluster
     assert "PodDisruptionBudget" in cluster.objects
     assert cluster.objects["Service"]["spec"]["ports"][0]["port"] == 8000
     assert ("patch", "Deployment") not in cluster.writes()
+
+
+def test_events_are_posted_outside_kopfs_handlers_too(monkeypatch):
+    """The resync task is no kopf handler, where kopf.info has no queue to post to."""
+    posted = []
+
+    class Core:
+        def __init__(self, _api):
+            pass
+
+        def create_namespaced_event(self, namespace, body, **_):
+            posted.append((namespace, body))
+            if len(posted) > 1:
+                raise ApiException(status=403, reason="Forbidden")  # best effort: logged
+
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    monkeypatch.setattr(handlers.client, "CoreV1Api", Core)
+    cr = {"metadata": {"name": "tiny", "namespace": "ns", "uid": "uid-1"}}
+    handlers.post_event(cr, "Reverted", "re-applied", warning=False)
+    handlers.post_event(cr, "DegradedTrue", "ApplyRejected: no", warning=True)
+    (ns, first), (_, second) = posted
+    assert ns == "ns" and first["involvedObject"]["uid"] == "uid-1" and first["type"] == "Normal"
+    assert first["involvedObject"]["kind"] == "InferenceDeployment" and second["type"] == "Warning"
