@@ -498,3 +498,42 @@ def test_events_are_posted_outside_kopfs_handlers_too(monkeypatch):
     (ns, first), (_, second) = posted
     assert ns == "ns" and first["involvedObject"]["uid"] == "uid-1" and first["type"] == "Normal"
     assert first["involvedObject"]["kind"] == "InferenceDeployment" and second["type"] == "Warning"
+
+
+def _leaves(node, trail=()):
+    """Every (trail, value) of a leaf: trail items are dict keys or list indices."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, (*trail, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, (*trail, i))
+    else:
+        yield trail, node
+
+
+def _at(node, trail):
+    for step in trail:
+        node = node[step]
+    return node
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Service", "PodDisruptionBudget"])
+def test_every_field_we_set_is_watched_and_nothing_anyone_adds_is(kind):
+    """Exhaustive over the child: changing any one value we set is drift; adding a key to any
+    map of ours is not."""
+    obj = {k: v for k, v in desired()[kind].items() if k not in ("apiVersion", "kind")}
+    for trail, value in _leaves(obj):
+        live = as_served(desired()[kind])
+        changed = (
+            not value if isinstance(value, bool) else (value + 1 if isinstance(value, int) else f"{value}x")
+        )
+        _at(live, trail[:-1])[trail[-1]] = changed
+        assert child_drift(desired()[kind], live), trail
+    for trail, _ in _leaves(obj):
+        for cut in range(len(trail)):
+            parent = _at(as_served(desired()[kind]), trail[:cut])
+            if isinstance(parent, dict):
+                live = as_served(desired()[kind])
+                _at(live, trail[:cut])["addedByOthers"] = "x"
+                assert child_drift(desired()[kind], live) == [], trail[:cut]
