@@ -290,23 +290,15 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
         else _now(),
         "observedGeneration": body["metadata"].get("generation", 0),
     }
-    conditions = [c for c in conditions if c["type"] != "ScalingActive"] + [condition]
-    patch = {
-        "status": {
-            "kvCacheUsage": signals["kvCacheUsage"],
-            "autoscaling": {**signals, "lastScrapeTime": _now()},
-            "conditions": conditions,
-        }
+    # Server-side apply of the autoscaler's own fields and condition only (status.OWNED).
+    from kvscale.operator.handlers import apply_status
+
+    status = {
+        "kvCacheUsage": signals["kvCacheUsage"],
+        "autoscaling": {**signals, "lastScrapeTime": _now()},
+        "conditions": [condition],
     }
-    await asyncio.to_thread(
-        custom.patch_namespaced_custom_object_status,
-        GROUP,
-        VERSION,
-        target.namespace,
-        PLURAL,
-        target.name,
-        patch,
-    )
+    await asyncio.to_thread(apply_status, target.namespace, target.name, status, AUTOSCALER_MANAGER)
     target.last_status, target.last_status_at = signals, now
 
 

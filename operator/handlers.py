@@ -1,17 +1,34 @@
-"""kopf handlers: the only place the operator does I/O.
+"""kopf handlers and the resync: the only place the operator does I/O.
 
-An InferenceDeployment's spec is applied to its children with server-side apply under our own
-field manager (created, updated or left alone by the API server: an unchanged apply writes
-nothing), and its status follows the worker Deployment. kopf keeps its bookkeeping in
-status.kopf, never in metadata, so GitOps tools that own the resource see no drift.
+One function, `sync`, makes a resource true, one call at a time per resource: it applies the
+children that need it (server-side apply under our field manager) and writes the status fields
+the reconciler owns when they changed (server-side apply of the status subresource; the
+autoscaler owns its own fields, status.py). Everything calls it:
+
+- kopf's create, update (of the spec) and resume handlers apply every child: a spec change can
+  drop fields, which only an apply removes (an unchanged apply is a no-op on the API server);
+- watches on the Deployments, Services and PDBs we own (server-side label selectors: only ours
+  are streamed) re-apply a child that was deleted or changed by hand (heal.child_drift), and
+  the Deployment's refresh the status; a child that has not drifted is not sent at all;
+- the resync task in the leader does the same for every resource every RESYNC_S, catching what
+  a missed event left behind, and retries transient failures with a doubling backoff.
+
+No kopf timer or daemon: kopf puts a finalizer on every resource that has one. A 4xx from the
+API server is permanent for that generation (status and one event, no retry until the spec
+changes); a 5xx or a timeout is retried. kopf keeps its bookkeeping in status.kopf, never in
+metadata, so GitOps tools that own the resource see no drift.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
 import os
+import threading
+import time
+from collections.abc import Collection
 from functools import cache
 from typing import Any
 
@@ -19,6 +36,7 @@ import kopf
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
+from urllib3.exceptions import HTTPError
 
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
@@ -30,11 +48,38 @@ from kvscale.operator.children import (
     replicas_handover,
     selector_string,
 )
-from kvscale.operator.models import GROUP, PLURAL, VERSION, InferenceDeploymentSpec
-from kvscale.operator.status import compute_status
+from kvscale.operator.heal import (
+    APPLY_FAILURES,
+    RetryQueue,
+    apply_failure,
+    backoff_s,
+    child_drift,
+    permanent,
+    rejected,
+)
+from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
+from kvscale.operator.status import compute_status, status_apply, status_changed
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvscale/kvscale-worker:0.1.0"
 APPLY = "application/apply-patch+yaml"
+API_TIMEOUT_S = 30  # on every call: a hung API server never holds a sync (and its lock) forever
+RESYNC_S = float(os.environ.get("KVSCALE_RESYNC_SECONDS", "300"))
+CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
+# What kopf watches for each child, with a server-side selector: only our children are streamed.
+CHILD_RESOURCES = {
+    "Deployment": ("apps", "v1", "deployments"),
+    "Service": ("v1", "services"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+}
+CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
+# No answer, a timeout, a refused or reset connection: retried like a 5xx.
+NETWORK_ERRORS = (HTTPError, OSError)
+
+retries = RetryQueue()
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
 
 
 def worker_image() -> str:
@@ -58,22 +103,31 @@ def _json(response) -> dict[str, Any]:
     return json.loads(response.data)
 
 
-# Per kind: (read, server-side apply) on the typed client, returning plain JSON dicts.
+# Per kind: (read, server-side apply, list in all namespaces) on the typed client.
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
     return {
-        "Deployment": (apps.read_namespaced_deployment, apps.patch_namespaced_deployment),
-        "Service": (core.read_namespaced_service, core.patch_namespaced_service),
+        "Deployment": (
+            apps.read_namespaced_deployment,
+            apps.patch_namespaced_deployment,
+            apps.list_deployment_for_all_namespaces,
+        ),
+        "Service": (
+            core.read_namespaced_service,
+            core.patch_namespaced_service,
+            core.list_service_for_all_namespaces,
+        ),
         "PodDisruptionBudget": (
             policy.read_namespaced_pod_disruption_budget,
             policy.patch_namespaced_pod_disruption_budget,
+            policy.list_pod_disruption_budget_for_all_namespaces,
         ),
     }[kind]
 
 
 def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
     try:
-        return _json(_ops(kind)[0](name, namespace, _preload_content=False))
+        return _json(_ops(kind)[0](name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT_S))
     except ApiException as e:
         if e.status == 404:
             return None
@@ -91,8 +145,36 @@ def server_side_apply(obj: dict[str, Any], manager: str = MANAGER) -> dict[str, 
         force=True,
         _content_type=APPLY,
         _preload_content=False,
+        _request_timeout=API_TIMEOUT_S,
     )
     return _json(response)
+
+
+def get_resource(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return client.CustomObjectsApi(api()).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _request_timeout=API_TIMEOUT_S
+        )
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def apply_status(namespace: str, name: str, status: dict[str, Any], manager: str) -> None:
+    """Server-side apply of `manager`'s own status fields (status.status_apply checks which)."""
+    client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        status_apply(name, namespace, status, manager),
+        field_manager=manager,
+        force=True,
+        _content_type=APPLY,
+        _request_timeout=API_TIMEOUT_S,
+    )
 
 
 @kopf.on.startup()
@@ -103,107 +185,318 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
+    # Server-side: the API server streams our children only, not every Deployment of the
+    # cluster. (A handler's `labels=` filter is applied in the operator, after the streaming.)
+    for resource in CHILD_RESOURCES.values():
+        settings.watching.label_selectors[resource] = CHILD_SELECTOR
+
+
+def post_event(cr: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+    """A core/v1 Event on the resource. Our own poster rather than kopf.info: kopf's works only
+    inside its handlers, and the resync task is not one. Best effort: a lost event is logged."""
+    meta = cr["metadata"]
+    stamp = now()
+    event = {
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": MANAGER},
+        "reportingComponent": MANAGER,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        client.CoreV1Api(api()).create_namespaced_event(
+            meta["namespace"], event, _request_timeout=API_TIMEOUT_S
+        )
+    except (ApiException, *NETWORK_ERRORS) as e:
+        logger.warning("could not post the event %s on %s: %s", reason, meta["name"], _api_message(e))
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def _api_message(e: Exception) -> str:
+    if isinstance(e, ApiException):
+        try:
+            detail = json.loads(e.body or "{}").get("message", "")
+        except (ValueError, AttributeError):
+            detail = ""
+        return f"{e.status} {e.reason}" + (f": {detail}" if detail else "")
+    return f"{type(e).__name__}: {e}"
+
+
+def sync(
+    namespace: str,
+    name: str,
+    *,
+    apply_all: bool = False,
+    kinds: Collection[str] = CHILD_KINDS,
+    seen: dict[str, dict[str, Any] | None] | None = None,
+    resource: dict[str, Any] | None = None,
+) -> tuple[str, str] | None:
+    """Make the resource true: apply its children of `kinds` that need it (all of them with
+    `apply_all`, else those that drifted), then write the reconciler's status if it changed.
+
+    `seen`: children as a watch or a list just showed them (None: absent), read otherwise;
+    `resource`: the resource as a list showed it, read otherwise. Returns the transient error
+    (reason, message) to retry, else None. Raises on a failed read or status write.
+    """
+    with _lock(namespace, name):
+        cr = resource if resource is not None else get_resource(namespace, name)
+        if cr is None or cr["metadata"].get("deletionTimestamp"):
+            return None  # gone, or going with its children
+        generation = cr["metadata"].get("generation", 0)
+        status = cr.get("status") or {}
+        previous = list(status.get("conditions") or [])
+        full = set(kinds) >= set(CHILD_KINDS)
+        seen = dict(seen or {})
+        error: tuple[str, str] | None = None
+        wrote = applied = False
+        spec = None
+        try:
+            spec = InferenceDeploymentSpec.model_validate(cr["spec"])
+        except ValidationError as e:  # the schema admits it, the models do not (e.g. an older CRD)
+            first = e.errors()[0]
+            error = ("InvalidSpec", f"invalid spec: {first['msg']} at {'.'.join(map(str, first['loc']))}")
+        if spec is not None:
+            refused = None if apply_all else rejected(previous, generation)
+            if refused is not None:  # permanent until the spec changes: no write, no new event
+                error = (refused["reason"], refused.get("message", ""))
+            elif not full and not apply_all and status.get("observedGeneration") != generation:
+                pass  # a new generation: its reconcile (or retry) applies it, a watcher does not race it
+            else:
+                # A generation not yet applied in full (a failed or interrupted apply) is applied
+                # in full: only an apply removes the fields an older spec set.
+                apply_all = apply_all or (full and status.get("observedGeneration") != generation)
+                error, wrote = _apply_children(cr, spec, kinds, seen, apply_all)
+                applied = full and error is None
+        shown = error
+        if error is None and not full:
+            # A partial sync (one child's event) cannot clear what the last full one found.
+            failure = apply_failure(previous, generation)
+            if failure is not None:
+                shown = (failure["reason"], failure.get("message", ""))
+        if "Deployment" not in kinds and not wrote and shown is None:
+            return None  # a Service or PDB event changes nothing the status says
+        deployment = seen["Deployment"] if "Deployment" in seen else read("Deployment", name, namespace)
+        new = compute_status(
+            name=name,
+            generation=generation,
+            selector=selector_string(name),
+            desired=spec.desired_replicas if spec is not None else None,
+            deployment=deployment,
+            previous_conditions=previous,
+            now=now(),
+            apply_error=shown,
+            applied=applied,
+            last_applied=status.get("observedGeneration"),
+        )
+        if status_changed(status, new):
+            _announce_transitions(cr, previous, new["conditions"])
+            apply_status(namespace, name, new, MANAGER)
+        if spec is not None and spec.autoscaling is None and _has_autoscaler_status(cr):
+            # The autoscaler stopped: its fields go (only an apply by their manager removes them;
+            # asked on every sync, so a last write of a stopping autoscaler goes too).
+            apply_status(namespace, name, {}, AUTOSCALER_MANAGER)
+        return error if error is not None and error[0] == "ApplyFailed" else None
+
+
+def _has_autoscaler_status(cr: dict[str, Any]) -> bool:
+    """Whether the autoscaler's field manager still owns status fields (an empty apply by it
+    removes them; once it owns none, it leaves managedFields, so this is asked once)."""
+    return any(
+        f.get("manager") == AUTOSCALER_MANAGER
+        and f.get("operation") == "Apply"
+        and f.get("subresource") == "status"
+        for f in cr["metadata"].get("managedFields") or []
+    )
+
+
+def _apply_children(
+    cr: dict[str, Any],
+    spec: InferenceDeploymentSpec,
+    kinds: Collection[str],
+    seen: dict[str, dict[str, Any] | None],
+    apply_all: bool,
+) -> tuple[tuple[str, str] | None, bool]:
+    """(the error that stopped it, whether any child was written); `seen` gets what is live."""
+    name, namespace = cr["metadata"]["name"], cr["metadata"]["namespace"]
+    generation = cr["metadata"].get("generation", 0)
+    wrote = False
+    for child in children(Owner(name, namespace, cr["metadata"]["uid"]), spec, spec.image or worker_image()):
+        kind = child["kind"]
+        if kind not in kinds:
+            continue
+        try:
+            before = seen[kind] if kind in seen else read(kind, name, namespace)
+            drift = child_drift(child, before)
+            if drift and kind in seen:  # an event or a list may be behind: ask before writing
+                before = seen[kind] = read(kind, name, namespace)
+                drift = child_drift(child, before)
+            if before is not None and before["metadata"].get("deletionTimestamp"):
+                continue  # its DELETED event brings us back, to create it anew
+            if not drift and not apply_all:
+                seen[kind] = before
+                continue
+            if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
+                handover = replicas_handover(before)
+                if handover is not None:  # switching to autoscaling: keep today's count
+                    server_side_apply(handover, manager=AUTOSCALER_MANAGER)
+            after = seen[kind] = server_side_apply(child)
+        except (ApiException, *NETWORK_ERRORS) as e:
+            status = e.status if isinstance(e, ApiException) else None
+            reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
+            logger.warning("applying %s %s/%s failed: %s", kind, namespace, name, _api_message(e))
+            return (reason, f"applying the {kind} failed: {_api_message(e)}"), wrote
+        changed = (
+            before is None or before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]
+        )
+        wrote = wrote or changed
+        if before is None:
+            post_event(cr, "Created", f"created {kind} {name} for generation {generation}")
+        elif changed and apply_all:
+            post_event(cr, "Updated", f"updated {kind} {name} to generation {generation}")
+        elif changed:
+            where = ", ".join(drift[:3]) + (", ..." if len(drift) > 3 else "")
+            post_event(cr, "Reverted", f"re-applied {kind} {name}: {where} had been changed")
+    return None, wrote
+
+
+def _announce_transitions(body: Any, previous: list[dict], current: list[dict]) -> None:
+    """An event on the resource whenever Ready changes, or Degraded or its reason, with why."""
+    before = {c["type"]: (c.get("status"), c.get("reason")) for c in previous}
+    for c in current:
+        was = before.get(c["type"], (None, None))
+        moved = was[0] != c["status"] or (c["type"] == "Degraded" and was[1] != c["reason"])
+        if c["type"] == "Ready" and c["reason"] in APPLY_FAILURES:
+            continue  # Degraded tells it, once
+        if c["type"] in ("Ready", "Degraded") and moved:
+            warning = (c["type"] == "Degraded") == (c["status"] == "True")
+            post_event(body, f"{c['type']}{c['status']}", f"{c['reason']}: {c['message']}", warning=warning)
+
+
+def sync_or_retry(namespace: str, name: str, **kwargs: Any) -> None:
+    """sync() for the watchers and the resync: a transient failure comes back later, backed off."""
+    try:
+        error = sync(namespace, name, **kwargs)
+    except (ApiException, *NETWORK_ERRORS) as e:
+        error = ("SyncFailed", _api_message(e))
+    if error is not None:
+        delay = retries.failed((namespace, name))
+        logger.warning("syncing %s/%s failed (%s); retrying in %.0f s", namespace, name, error[1], delay)
+    elif set(kwargs.get("kinds", CHILD_KINDS)) >= set(CHILD_KINDS):
+        retries.succeeded((namespace, name))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 0)
-    previous = list((body.get("status") or {}).get("conditions") or [])
+def reconcile(meta: kopf.Meta, retry: int, **_: Any) -> None:
+    """Apply every child. A 4xx is reported (status, one event) and not retried: kopf retries
+    only the TemporaryError of a 5xx or a timeout, after a doubling backoff."""
+    namespace, name = meta["namespace"], meta["name"]
     try:
-        spec = InferenceDeploymentSpec.model_validate(dict(body["spec"]))
-    except ValidationError as e:  # the schema admits it, the models do not (e.g. an older CRD)
-        message = f"invalid spec: {e.errors()[0]['msg']} at {'.'.join(map(str, e.errors()[0]['loc']))}"
-        kopf.warn(body, reason="InvalidSpec", message=message)
-        patch.status["conditions"] = [
-            {
-                "type": "Degraded",
-                "status": "True",
-                "reason": "InvalidSpec",
-                "message": message,
-                "lastTransitionTime": now(),
-            }
-        ]
+        error = sync(namespace, name, apply_all=True)
+    except (ApiException, *NETWORK_ERRORS) as e:
+        raise kopf.TemporaryError(f"syncing failed: {_api_message(e)}", delay=backoff_s(retry + 1)) from e
+    if error is not None:
+        raise kopf.TemporaryError(error[1], delay=backoff_s(retry + 1))
+    retries.succeeded((namespace, name))
+
+
+def _child_changed(kind: str, body: kopf.Body, type: str | None) -> None:
+    owner = (body["metadata"].get("labels") or {}).get(LABEL_OWNER)
+    if not owner:
         return
-    owner = Owner(name, namespace, meta["uid"])
-    error = None
-    for child in children(owner, spec, spec.image or worker_image()):
-        kind = child["kind"]
-        before = read(kind, name, namespace)
-        try:
-            if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
-                handover = replicas_handover(before)
-                if handover is not None:  # switching to autoscaling: keep today's count
-                    server_side_apply(handover, manager=AUTOSCALER_MANAGER)
-            after = server_side_apply(child)
-        except ApiException as e:
-            error = f"applying the {kind} failed: {e.status} {e.reason}"
-            kopf.exception(body, reason="ApplyFailed", message=error)
-            break
-        if before is None:
-            kopf.info(body, reason="Created", message=f"created {kind} {name} for generation {generation}")
-        elif before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]:
-            kopf.info(body, reason="Updated", message=f"updated {kind} {name} to generation {generation}")
-    status = compute_status(
-        name=name,
-        generation=generation,
-        selector=selector_string(name),
-        desired=spec.desired_replicas,
-        deployment=read("Deployment", name, namespace),
-        previous_conditions=previous,
-        now=now(),
-        apply_error=error,
-    )
-    _announce_transitions(body, previous, status["conditions"])
-    patch.status.update(status)
-    if spec.autoscaling is None:  # the autoscaler's signals would be stale: no longer reported
-        patch.status["autoscaling"] = None
-        patch.status["kvCacheUsage"] = None
-    if error:
-        raise kopf.TemporaryError(error, delay=15)
+    # DELETED: gone, or no longer ours to see (someone removed our labels): read it again.
+    seen = {} if type == "DELETED" else {kind: dict(body)}
+    sync_or_retry(body["metadata"]["namespace"], owner, kinds=(kind,), seen=seen)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGER, LABEL_OWNER: kopf.PRESENT})
+@kopf.on.event(*CHILD_RESOURCES["Deployment"])
 def deployment_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
-    """The workers changed (a pod became ready, a rollout advanced): refresh the owner's status."""
-    name, namespace = body["metadata"]["labels"][LABEL_OWNER], body["metadata"]["namespace"]
-    custom = client.CustomObjectsApi(api())
-    try:
-        owner = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except ApiException as e:
-        if e.status == 404:
-            return  # being deleted with its children
-        raise
-    try:
-        spec = InferenceDeploymentSpec.model_validate(owner["spec"])
-    except ValidationError:
-        return  # reconcile reports that
-    previous_status = owner.get("status") or {}
-    previous = list(previous_status.get("conditions") or [])
-    status = compute_status(
-        name=name,
-        generation=owner["metadata"].get("generation", 0),
-        selector=selector_string(name),
-        desired=spec.desired_replicas,
-        deployment=None if type == "DELETED" else dict(body),
-        previous_conditions=previous,
-        now=now(),
+    """The workers changed (a pod became ready, a rollout advanced, someone edited or deleted
+    the Deployment): heal it if it drifted, refresh the owner's status."""
+    _child_changed("Deployment", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["Service"])
+def service_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("Service", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["PodDisruptionBudget"])
+def pdb_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("PodDisruptionBudget", body, type)
+
+
+def list_resources() -> list[dict[str, Any]]:
+    return client.CustomObjectsApi(api()).list_cluster_custom_object(
+        GROUP, VERSION, PLURAL, _request_timeout=API_TIMEOUT_S
+    )["items"]
+
+
+def list_children(kind: str) -> list[dict[str, Any]]:
+    """Our children of `kind` in every namespace (a list's items carry no apiVersion or kind)."""
+    listed = _ops(kind)[2](
+        label_selector=CHILD_SELECTOR, _preload_content=False, _request_timeout=API_TIMEOUT_S
     )
-    # Keep an apply failure reported by reconcile until reconcile itself clears it.
-    degraded = next((c for c in previous if c["type"] == "Degraded"), None)
-    if degraded and degraded.get("reason") == "ApplyFailed":
-        status["conditions"] = [degraded if c["type"] == "Degraded" else c for c in status["conditions"]]
-    if all(previous_status.get(k) == v for k, v in status.items()):
-        return  # nothing new: no write
-    _announce_transitions(owner, previous, status["conditions"])
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+    return _json(listed)["items"]
 
 
-def _announce_transitions(body: Any, previous: list[dict], current: list[dict]) -> None:
-    """An event on the resource whenever Ready or Degraded changes, with why."""
-    before = {c["type"]: c.get("status") for c in previous}
-    for c in current:
-        if c["type"] in ("Ready", "Degraded") and before.get(c["type"]) != c["status"]:
-            post = kopf.warn if (c["type"] == "Degraded") == (c["status"] == "True") else kopf.info
-            post(body, reason=f"{c['type']}{c['status']}", message=f"{c['reason']}: {c['message']}")
+def resync() -> None:
+    """Every resource and its children as the API server has them now (four LISTs), through
+    the same sync the watchers use: writes only what drifted or what a missed event left."""
+    resources = list_resources()
+    live = {
+        kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
+        for kind in CHILD_KINDS
+    }
+    for cr in resources:
+        key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
+        seen = {kind: live[kind].get(key) for kind in CHILD_KINDS}
+        sync_or_retry(*key, resource=cr, seen=seen)
+
+
+async def _resync_forever() -> None:
+    next_full = time.monotonic() + RESYNC_S
+    while True:
+        await asyncio.sleep(1.0)
+        try:  # nothing may end this task: it is the safety net
+            for namespace, name in retries.pop_due():
+                await asyncio.to_thread(sync_or_retry, namespace, name, apply_all=True)
+            if time.monotonic() >= next_full:
+                next_full = time.monotonic() + RESYNC_S
+                await asyncio.to_thread(resync)
+        except (ApiException, *NETWORK_ERRORS) as e:
+            logger.warning("resync failed: %s", _api_message(e))
+        except Exception:
+            logger.exception("resync failed")
+
+
+_resync_task: asyncio.Task | None = None
+
+
+@kopf.on.startup()
+async def start_resync(**_: Any) -> None:
+    """The resync and the retries run in kopf's loop, so only while kopf runs: on the leader."""
+    global _resync_task
+    _resync_task = asyncio.create_task(_resync_forever(), name="resync")
+
+
+@kopf.on.cleanup()
+async def stop_resync(**_: Any) -> None:
+    if _resync_task is not None:
+        _resync_task.cancel()

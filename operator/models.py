@@ -779,6 +779,7 @@ class InferenceDeploymentStatus(_Model):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
+        # A map keyed by type: each status writer's server-side apply owns its own conditions.
         json_schema_extra=_list_map("type"),
         description="Ready, Progressing, Degraded, ScalingActive: one per type.",
     )

@@ -1,14 +1,92 @@
-"""Pure function: what the Deployment reports -> the InferenceDeployment's status and conditions.
+"""Pure functions: what the Deployment reports -> the InferenceDeployment's status and conditions,
+and which writer owns which status fields.
 
 Ready: every wanted worker is ready and on the current spec. Progressing: a rollout or a scale
 is under way. Degraded: the Deployment reports a failure (progress deadline exceeded, replica
 failure) or the operator could not apply the spec. lastTransitionTime only moves when a
 condition's status changes, so a steady resource keeps a steady status.
+
+Two writers share the status, each through server-side apply under its own field manager and
+each sending only its own fields (`conditions` is a map keyed by `type`, so a writer owns its
+entries, not the list): the reconciler (every apply of the children and every status refresh,
+one at a time per resource) and the autoscaler. Neither reads the other's fields back into a
+write, so neither can put back a stale one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from kvscale.operator.children import AUTOSCALER_MANAGER, MANAGER
+from kvscale.operator.models import GROUP, KIND, VERSION
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The top-level status fields and the condition types one writer owns."""
+
+    fields: frozenset[str]
+    conditions: frozenset[str]
+
+
+OWNED = {
+    MANAGER: Fields(
+        frozenset(
+            {
+                "observedGeneration",
+                "replicas",
+                "readyReplicas",
+                "updatedReplicas",
+                "ready",
+                "selector",
+                "conditions",
+            }
+        ),
+        frozenset({"Ready", "Progressing", "Degraded"}),
+    ),
+    AUTOSCALER_MANAGER: Fields(
+        frozenset({"kvCacheUsage", "autoscaling", "conditions"}), frozenset({"ScalingActive"})
+    ),
+}
+
+
+def _pruned(value: Any) -> Any:
+    """Without None values: in an apply, an absent field is "not mine", and null fails the schema."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_pruned(v) for v in value]
+    return value
+
+
+def status_apply(name: str, namespace: str, status: dict[str, Any], manager: str) -> dict[str, Any]:
+    """The server-side apply body of `status` for `manager`; refuses another writer's fields
+    (sending one would make this writer a co-owner and let it overwrite the other's value)."""
+    own = OWNED[manager]
+    foreign = set(status) - own.fields
+    foreign |= {
+        f"conditions[{c['type']}]" for c in status.get("conditions", []) if c["type"] not in own.conditions
+    }
+    if foreign:
+        raise ValueError(f"{manager} does not own status fields {sorted(foreign)}")
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "status": _pruned(status),
+    }
+
+
+def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Whether applying `new` (one writer's fields) would change the live status: status is
+    written on change only, never on a timer."""
+    current = current or {}
+    new = _pruned(new)
+    if any(current.get(k) != v for k, v in new.items() if k != "conditions"):
+        return True
+    live = {c.get("type"): c for c in current.get("conditions") or []}
+    return any(live.get(c["type"]) != c for c in new.get("conditions", []))
 
 
 def _condition(
@@ -36,10 +114,20 @@ def compute_status(
     deployment: dict[str, Any] | None,
     previous_conditions: list[dict[str, Any]],
     now: str,
-    apply_error: str | None = None,
+    apply_error: str | tuple[str, str] | None = None,
+    applied: bool = True,
+    last_applied: int | None = None,
 ) -> dict[str, Any]:
-    """`desired` is the replica count the spec asks for; None when the autoscaler sets it, in which
-    case the Deployment's own spec.replicas is the target."""
+    """The reconciler's status fields. `desired` is the replica count the spec asks for; None
+    when the autoscaler sets it, in which case the Deployment's own spec.replicas is the target.
+
+    `apply_error`: (reason, message) when this generation's children could not be applied
+    (ApplyFailed: retried; ApplyRejected, InvalidSpec: refused until the spec changes; a bare
+    message is ApplyFailed). `observedGeneration` is the last generation whose children were
+    all applied: this one when `applied`, else `last_applied` (None: none yet). Flux and kstatus
+    compare it with metadata.generation; each condition says which generation it describes."""
+    if isinstance(apply_error, str):
+        apply_error = ("ApplyFailed", apply_error)
     previous = {c["type"]: c for c in previous_conditions or []}
     dep_spec = (deployment or {}).get("spec", {})
     dep_status = (deployment or {}).get("status", {})
@@ -52,18 +140,18 @@ def compute_status(
     observed = deployment is not None and dep_status.get("observedGeneration", 0) >= dep_meta.get(
         "generation", 0
     )
-    applied = deployment is not None and (desired is None or dep_spec.get("replicas") == desired)
+    scaled = deployment is not None and (desired is None or dep_spec.get("replicas") == desired)
 
     failure = None
     progress = dep_conditions.get("Progressing", {})
     if apply_error:
-        failure = ("ApplyFailed", apply_error)
+        failure = apply_error
     elif progress.get("status") == "False" and progress.get("reason") == "ProgressDeadlineExceeded":
         failure = ("ProgressDeadlineExceeded", progress.get("message", ""))
     elif dep_conditions.get("ReplicaFailure", {}).get("status") == "True":
         failure = ("ReplicaFailure", dep_conditions["ReplicaFailure"].get("message", ""))
 
-    settled = applied and observed and updated == want and replicas == want and ready >= want
+    settled = scaled and observed and updated == want and replicas == want and ready >= want
     if deployment is None:
         progressing = (True, "Creating", "creating the worker Deployment")
     elif not settled:
@@ -78,7 +166,9 @@ def compute_status(
     else:
         progressing = (False, "Complete", f"all {want} workers on the current spec")
 
-    if want == 0:
+    if apply_error:  # whatever the workers do, they do not run the spec asked for
+        readiness = (False, *apply_error)
+    elif want == 0:
         readiness = (False, "ScaledToZero", "no workers are wanted")
     elif settled:
         readiness = (True, "AllWorkersReady", f"{ready}/{want} workers ready")
@@ -94,11 +184,8 @@ def compute_status(
             "Degraded", failure is not None, *(failure or ("AsExpected", "")), generation, previous, now
         ),
     ]
-    # Owned by the autoscaler: carried over untouched while it runs, dropped once it does not.
-    if "ScalingActive" in previous and desired is None:
-        conditions.append(previous["ScalingActive"])
     return {
-        "observedGeneration": generation,
+        "observedGeneration": generation if applied else last_applied,
         "replicas": replicas,
         "readyReplicas": ready,
         "updatedReplicas": updated,
