@@ -261,6 +261,7 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
         "readyWorkers": s.ready if s else 0,
         "startingWorkers": s.starting if s else 0,
         "unreadableWorkers": s.unreadable if s else 0,
+        "lookaheadSeconds": round(target.scaler.last_lookahead_s, 1),
         "kvCacheUsage": None if s is None or s.mean_kv is None else round(s.mean_kv, 2),
         "waitingRequests": None if s is None or s.mean_waiting is None else round(s.mean_waiting, 1),
         "lastDecisions": target.decisions or [],

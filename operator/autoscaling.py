@@ -423,6 +423,7 @@ class Autoscaler:
     # startup. Pods that are gone are forgotten.
     startups: dict[str, float | None] = field(default_factory=dict)
     interval_s: float = 2.0  # the scrape interval: history keeps one more on each side
+    last_lookahead_s: float = 0.0  # the look-ahead of the last decision (for status)
 
     def observe(self, sample: Sample, timings: Iterable[PodTiming], params: Params) -> None:
         timings = list(timings)
@@ -445,6 +446,7 @@ class Autoscaler:
         return params.lookahead_s if measured is None else measured
 
     def decide(self, current: int, params: Params) -> Decision:
-        params = replace(params, lookahead_s=self.lookahead_s(params))
+        self.last_lookahead_s = min(self.lookahead_s(params), params.startup_budget_s)
+        params = replace(params, lookahead_s=self.last_lookahead_s)
         now = self.history[-1].time if self.history else None
         return decide(self.history, current, params, now)

@@ -116,6 +116,13 @@ def test_the_budget_comes_from_the_spec():
     scaler = Autoscaler()
     scaler.observe(Sample(0.0, ()), [PodTiming("a", 0.0, 125.0)], params)
     assert scaler.lookahead_s(params) == 120.0
+    scaler.decide(1, params)
+    assert scaler.last_lookahead_s == 120.0  # what status.autoscaling.lookaheadSeconds shows
+    # Without a measurement, a look-ahead the caller set still never exceeds the budget.
+    fresh = Autoscaler()
+    fresh.observe(Sample(0.0, ()), [], replace(params, lookahead_s=DAY))
+    fresh.decide(1, replace(params, lookahead_s=DAY))
+    assert fresh.last_lookahead_s == 120.0
 
 
 # A pod's life as the operator sees it, one status per scrape: loading, Ready, readiness flaps,
