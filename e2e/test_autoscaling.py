@@ -167,8 +167,14 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     second = wait_for(spread, timeout=240, interval=1, what="a second worker serving load")
     assert apps.read_namespaced_deployment(name, ns).spec.replicas == 2
     assert max(seen_kv) > 0.5, seen_kv
-    decisions = get_cr(operator, name, ns)["status"]["autoscaling"]["lastDecisions"]
+    scaled = get_cr(operator, name, ns)["status"]["autoscaling"]
+    decisions = scaled["lastDecisions"]
     assert [(d["fromReplicas"], d["toReplicas"]) for d in decisions] == [(1, 2)], decisions
+    assert scaled["unreadableWorkers"] == 0  # every ready worker's /metrics was read
+    # The look-ahead is the workers' startup as the kubelet reports it (container start to Ready),
+    # a few seconds for the fixture model, never the pods' age nor above the startup budget.
+    budget = doc["spec"]["server"].get("startupTimeoutSeconds", 600)
+    assert 0 < scaled["lookaheadSeconds"] <= min(budget, 120), scaled
     assert "scale up 1 -> 2" in decisions[0]["reason"]
 
     # Light load, heavier on the new worker: the old one is the least loaded and must be the one

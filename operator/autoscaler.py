@@ -21,8 +21,7 @@ import contextlib
 import datetime as dt
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -32,7 +31,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from kvscale.operator.autoscaling import Decision, Params, PodLoad, Sample, decide
+from kvscale.operator.autoscaling import Autoscaler, Decision, Params, PodLoad, PodTiming, Sample
 from kvscale.operator.children import AUTOSCALER_MANAGER, PORT, selector_string
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 
@@ -43,6 +42,7 @@ SCRAPE_TIMEOUT_S = 1.5
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
+WORKER_CONTAINER = "worker"  # the container children.py runs kvscale-worker in
 STATUS_EVERY_S = 5.0  # signals are written at most this often (decisions at once)
 
 # Our metric names first, vLLM's as a fallback (so vLLM workers scale too).
@@ -86,14 +86,23 @@ def pod_state(pod: client.V1Pod) -> str:
     return "ready" if ready and pod.status.pod_ip else "starting"
 
 
-def observed_startup_s(pods: list[client.V1Pod]) -> float | None:
-    """Median time from pod creation to Ready over the ready pods: how long a new worker takes."""
-    times = []
-    for p in pods:
-        ready = next((c for c in (p.status and p.status.conditions) or [] if c.type == "Ready"), None)
-        if ready is not None and ready.status == "True" and ready.last_transition_time is not None:
-            times.append((ready.last_transition_time - p.metadata.creation_timestamp).total_seconds())
-    return sorted(times)[len(times) // 2] if times else None
+def pod_timing(pod: client.V1Pod) -> PodTiming:
+    """The startup facts of a pod's status (`autoscaling.startup_of` judges them): when the worker
+    container now running started, and since when the pod is Ready. Not the pod's creation: that
+    would count scheduling and image pulls, and for a pod that restarted or whose readiness
+    flapped, its whole age."""
+    status = pod.status
+    ready = next((c for c in (status and status.conditions) or [] if c.type == "Ready"), None)
+    ready_since = None
+    if ready is not None and ready.status == "True" and ready.last_transition_time is not None:
+        ready_since = ready.last_transition_time.timestamp()
+    containers = (status and status.container_statuses) or []
+    worker = next(
+        (c for c in containers if c.name == WORKER_CONTAINER), containers[0] if containers else None
+    )
+    running = worker.state.running if worker is not None and worker.state is not None else None
+    started = running.started_at.timestamp() if running is not None and running.started_at else None
+    return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
 
 
 async def scrape(session: aiohttp.ClientSession, ip: str) -> dict[str, float] | None:
@@ -119,7 +128,7 @@ class Target:
     uid: str
     spec: dict[str, Any]
     task: asyncio.Task | None = None
-    history: deque[Sample] = field(default_factory=deque)
+    scaler: Autoscaler = field(default_factory=lambda: Autoscaler(interval_s=SCRAPE_INTERVAL_S))
     decisions: list[dict[str, Any]] | None = None
     last_status: dict[str, Any] | None = None
     last_status_at: float = 0.0
@@ -181,7 +190,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         return None  # reconcile reports it
     if spec.autoscaling is None:
         return None
-    params = Params.from_spec(spec.autoscaling)
+    params = Params.from_spec(spec.autoscaling, startup_budget_s=spec.server.startup_timeout_seconds)
     apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
     name, ns = target.name, target.namespace
     deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
@@ -204,15 +213,9 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
                 arrivals=m.get("arrivals"),
             )
         )
-    startup = observed_startup_s(pods)
-    if startup is not None:  # scale for the load expected when a worker started now is ready
-        params = replace(params, lookahead_s=startup)
-    now = time.monotonic()
-    target.history.append(Sample(now, tuple(sorted(loads, key=lambda p: p.name))))
-    keep = max(params.up_window_s, params.down_window_s) + 2 * SCRAPE_INTERVAL_S
-    while len(target.history) > 1 and target.history[1].time <= now - keep:
-        target.history.popleft()
-    decision = decide(target.history, current, params, now)
+    sample = Sample(time.monotonic(), tuple(sorted(loads, key=lambda p: p.name)))
+    target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
+    decision = target.scaler.decide(current, params)
     if decision.changed(current):
         await _scale(target, pods, current, decision)
     await _report(target, decision, current)
@@ -257,6 +260,8 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
         "desiredReplicas": decision.replicas,
         "readyWorkers": s.ready if s else 0,
         "startingWorkers": s.starting if s else 0,
+        "unreadableWorkers": s.unreadable if s else 0,
+        "lookaheadSeconds": round(target.scaler.last_lookahead_s, 1),
         "kvCacheUsage": None if s is None or s.mean_kv is None else round(s.mean_kv, 2),
         "waitingRequests": None if s is None or s.mean_waiting is None else round(s.mean_waiting, 1),
         "lastDecisions": target.decisions or [],

@@ -1,7 +1,9 @@
 """The autoscaling policy: per-worker KV-cache usage and queue depth over a window -> replicas.
 
-Pure: dataclasses in, a dataclass out, no clock and no I/O. The operator's autoscaler
-(operator/autoscaler.py) and the simulator (operator/simulate.py) both call `decide`.
+Pure: dataclasses in, a dataclass out, no clock and no I/O. `decide` is a pure function of the
+samples; `Autoscaler` is the little state the decisions need (the samples of the windows, each
+pod's measured startup). The operator (operator/autoscaler.py) and the simulator
+(tests/simulate.py) drive the same `Autoscaler`: `observe` each scrape, then `decide`.
 
 Each scrape of the workers gives two recommendations, computed from the *total* load on the
 ready workers (never from the current replica count times a ratio, which runs away while new
@@ -28,22 +30,33 @@ starting or terminating.
 A new worker serves only after it has loaded its model, so a rising load is met where it will be
 then: the KV demand is scaled by the growth of the arrival rate (the workers' request counters),
 whose least-squares trend over the last `trend_window_s` is projected `lookahead_s` ahead (the
-autoscaler sets it to the startup time it observes on its pods). Arrivals, unlike KV usage, do
+startup time measured on the pods, at most the startup budget). Arrivals, unlike KV usage, do
 not grow when saturated workers slow down and hold their blocks longer or drain a backlog, so the
 projection does not feed on the overload it is meant to prevent. Workers without the counters
-fall back to the KV demand's own trend.
+fall back to the KV demand's own trend. A trend counts only when it is significant: its slope
+must clear `trend_t` standard errors, the error taken from the scatter of the points around the
+line but never under the Poisson noise of the counts, so a flat load's noise adds no workers.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 PodState = Literal["ready", "starting", "terminating"]
 EPS = 1e-9  # float noise must not turn "exactly at target" into one more worker
+# One-sided: a flat Poisson load's slope clears 3.5 standard errors about 2 times in 10,000
+# windows, so its noise practically never adds a worker, even projected over the whole startup
+# budget (tests/test_autoscaler_runaway.py, tests/test_simulate.py). 2.5 let a flat load add
+# workers at a 600 s look-ahead, 2.0 even at 30 s (docs/autoscaling.md).
+TREND_T = 3.5
+# A first Ready comes at most one startup-probe period (5 s) and one readiness period (2 s),
+# plus timestamps' whole seconds, after the startup budget; anything later is no startup.
+STARTUP_SLACK_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,14 +94,21 @@ class Params:
     # demand's without counters) over trend_window_s, projected this far ahead (the workers'
     # observed startup time; 0: off).
     lookahead_s: float = 0.0
-    # 20 s: a burst's ramp shows in the arrival rate's trend within ~10 s; longer windows react
-    # later (30 s: more misses at burst onsets), shorter ones follow Poisson noise (more cost).
-    trend_window_s: float = 20.0
+    # 40 s: a slope's standard error falls as the window^1.5, so a burst's ramp clears the
+    # significance test sooner over 40 s than over 20 (SLO 94.5-96.4 % against 91.0-94.3 % on
+    # the simulator's seeds 1-3); 60 s reacted later again (docs/autoscaling.md).
+    trend_window_s: float = 40.0
+    # A trend is projected only when its slope is at least this many standard errors above 0.
+    trend_t: float = TREND_T
+    # The look-ahead never exceeds this: a worker that does not start within it is restarted by
+    # its startup probe (spec.server.startupTimeoutSeconds).
+    startup_budget_s: float = 600.0
 
     @classmethod
-    def from_spec(cls, spec) -> Params:
-        """From an AutoscalingSpec (operator/models.py)."""
+    def from_spec(cls, spec, startup_budget_s: float = 600.0) -> Params:
+        """From an AutoscalingSpec (operator/models.py) and the spec's startup budget."""
         return cls(
+            startup_budget_s=startup_budget_s,
             min_replicas=spec.min_replicas,
             max_replicas=spec.max_replicas,
             target_kv_usage=spec.target_kv_cache_usage,
@@ -108,12 +128,17 @@ class Signals:
     starting: int
     terminating: int
     known: int  # ready workers whose metrics were read
-    total_kv: float
+    total_kv: float  # of the known workers
     total_waiting: float
     up: int | None  # fewest workers at or under target (None: nothing known)
     up_kv: int | None  # the same from KV usage alone
     demand_kv: float  # workers needed at the KV target, unrounded
     down: int | None  # fewest workers the load fits on with the margin (None: cannot tell)
+
+    @property
+    def unreadable(self) -> int:
+        """Ready workers whose metrics could not be read (counted at target, see `signals`)."""
+        return self.ready - self.known
 
     @property
     def mean_kv(self) -> float | None:
@@ -141,19 +166,25 @@ def _needed(total: float, per_worker: float) -> int:
 
 
 def signals(sample: Sample, params: Params) -> Signals:
+    """The fleet's load in one sample. A ready worker whose metrics could not be read (a failed or
+    timed-out scrape: often a worker too busy to answer) counts as exactly at target: it needs its
+    own worker, and its capacity is not spare room for the others' load (left out, it would be).
+    It never lends room to a scale-down either: while any is unreadable, `down` is unknown."""
     ready = [p for p in sample.pods if p.state == "ready"]
     known = [p for p in ready if p.kv_usage is not None and p.waiting is not None]
+    unread = len(ready) - len(known)
     total_kv = sum(p.kv_usage or 0.0 for p in known)
     total_waiting = sum(p.waiting or 0.0 for p in known)
+    demand_kv = total_kv / params.target_kv_usage + unread
     up = up_kv = down = None
     if known:
-        up_kv = _needed(total_kv, params.target_kv_usage)
+        up_kv = _needed(demand_kv, 1.0)
         down_kv = _needed(total_kv, params.target_kv_usage * (1 - params.margin))
         up, down = up_kv, down_kv
         if params.target_queue > 0:
-            up = max(up, _needed(total_waiting, params.target_queue))
+            up = max(up, _needed(total_waiting / params.target_queue + unread, 1.0))
             down = max(down, _needed(total_waiting, params.target_queue * (1 - params.margin)))
-        if len(known) < len(ready):
+        if unread:
             down = None  # a ready worker we could not read may be busy: never scale down blind
     return Signals(
         ready=len(ready),
@@ -164,7 +195,7 @@ def signals(sample: Sample, params: Params) -> Signals:
         total_waiting=total_waiting,
         up=up,
         up_kv=up_kv,
-        demand_kv=total_kv / params.target_kv_usage,
+        demand_kv=demand_kv,
         down=down,
     )
 
@@ -178,13 +209,33 @@ def _window(history: Sequence[Sample], now: float, seconds: float) -> tuple[list
     return inside, covered
 
 
-def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares line through the points: (its value at the last x, its slope)."""
-    mx = sum(x for x, _ in points) / len(points)
-    my = sum(y for _, y in points) / len(points)
-    var = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / var if var > 0 else 0.0
-    return my + slope * (points[-1][0] - mx), slope
+@dataclass(frozen=True)
+class Trend:
+    """A least-squares line through a window of points."""
+
+    level: float  # the line's value at the last point
+    slope: float  # per second
+    stderr: float  # the slope's standard error (inf: too few points to tell)
+
+    def significant(self, t: float) -> bool:
+        """Rising by more than `t` standard errors (one-sided)."""
+        return self.slope > 0 and self.slope >= t * self.stderr
+
+
+def fit_trend(points: Sequence[tuple[float, float]], noise_var: float = 0.0) -> Trend:
+    """The least-squares line through (x, y) points and its slope's standard error: from the
+    scatter of the points around the line (n - 2 degrees of freedom), but never from less than
+    `noise_var` per point (the variance the points must have, e.g. Poisson noise: a few points
+    that happen to lie on a line do not make their slope certain)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if n < 3 or sxx <= 0:
+        return Trend(my, 0.0, math.inf)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    scatter = sum((y - my - slope * (x - mx)) ** 2 for x, y in points) / (n - 2)
+    return Trend(my + slope * (points[-1][0] - mx), slope, math.sqrt(max(scatter, noise_var) / sxx))
 
 
 def arrival_rates(samples: Sequence[Sample]) -> list[tuple[float, float]]:
@@ -207,26 +258,40 @@ def _projected(history: Sequence[Sample], now: float, params: Params, demand: fl
     """The KV demand (workers at target) expected `lookahead_s` ahead, from `demand` now; and how
     it was projected. Demand is scaled with the trend of the arrival rate: unlike KV usage, arrivals
     do not grow when a saturated worker slows down and its requests hold their blocks longer, nor
-    while a backlog drains. Without arrival counters, the KV demand's own trend is projected."""
-    if params.lookahead_s <= 0:
+    while a backlog drains. Without arrival counters, the KV demand's own trend is projected.
+
+    Only a significant trend counts (`Params.trend_t` standard errors). The arrival rate of an
+    interval of `dt` seconds is a Poisson count / dt, whose variance is rate / dt: the slope's
+    error is never taken as smaller than that noise gives. Only windows in which every ready worker
+    was read count: a worker dropping out of (or back into) the sums is no trend."""
+    lookahead = min(params.lookahead_s, params.startup_budget_s)
+    if lookahead <= 0:
         return demand, ""
     samples, covered = _window(history, now, params.trend_window_s)
     if not covered:
         return demand, ""
+    sigs = [signals(s, params) for s in samples]
+    if any(sig.unreadable for sig in sigs):
+        return demand, ""
     rates = arrival_rates(samples)
     if len(rates) >= 3:
-        level, slope = _line(rates)
-        if slope <= 0 or level <= 0:
+        mean_rate = sum(r for _, r in rates) / len(rates)
+        dt = (samples[-1].time - samples[0].time) / (len(samples) - 1)
+        trend = fit_trend(rates, noise_var=mean_rate / dt if dt > 0 else 0.0)
+        if trend.level <= 0 or not trend.significant(params.trend_t):
             return demand, ""
-        growth = (level + slope * params.lookahead_s) / level
-        return demand * growth, f", arrivals {level:.1f}/s rising {slope * 60:.0f}/s per min"
-    points = [(s.time, sig.demand_kv) for s in samples if (sig := signals(s, params)).known]
+        growth = (trend.level + trend.slope * lookahead) / trend.level
+        t = f"{trend.slope / trend.stderr:.1f}" if trend.stderr > 0 else "inf"
+        return demand * growth, (
+            f", arrivals {trend.level:.1f}/s rising {trend.slope * 60:.0f}/s per min ({t} s.e.)"
+        )
+    points = [(s.time, sig.demand_kv) for s, sig in zip(samples, sigs, strict=True) if sig.known]
     if len(points) < 3:
         return demand, ""
-    _, slope = _line(points)
-    if slope <= 0:
+    trend = fit_trend(points)
+    if not trend.significant(params.trend_t):
         return demand, ""
-    return demand + slope * params.lookahead_s, f", rising {slope * 60:.1f} workers/min"
+    return demand + trend.slope * lookahead, f", rising {trend.slope * 60:.1f} workers/min"
 
 
 def least_loaded(pods: Sequence[PodLoad], count: int) -> tuple[str, ...]:
@@ -240,9 +305,10 @@ def least_loaded(pods: Sequence[PodLoad], count: int) -> tuple[str, ...]:
 def _fmt(s: Signals, params: Params) -> str:
     kv = "?" if s.mean_kv is None else f"{s.mean_kv:.2f}"
     q = "?" if s.mean_waiting is None else f"{s.mean_waiting:.1f}"
+    unread = f", {s.unreadable} unreadable (counted at target)" if s.unreadable else ""
     return (
         f"KV usage {kv} (target {params.target_kv_usage:g}), waiting {q}/worker "
-        f"(target {params.target_queue:g}), {s.ready} ready, {s.starting} starting"
+        f"(target {params.target_queue:g}), {s.ready} ready, {s.starting} starting{unread}"
     )
 
 
@@ -304,3 +370,83 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
                     victims,
                 )
     return Decision(current, f"steady: {text}", latest)
+
+
+# -- startup time: the look-ahead -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodTiming:
+    """What a pod's status says about its startup, as seconds on one clock (the operator: Unix
+    time from the API server's timestamps; the simulator: its own)."""
+
+    uid: str
+    # When the worker container now running started (containerStatuses[].state.running.startedAt):
+    # after a restart, the restarted container, whose model load is what the look-ahead wants.
+    container_started: float | None
+    # When the Ready condition last turned True (its lastTransitionTime); None: not Ready now.
+    ready_since: float | None
+
+
+def startup_of(pod: PodTiming, budget_s: float) -> float | None:
+    """How long this pod took from its container's start to Ready, or None when its status cannot
+    say: not Ready, no running container, a Ready transition from before this container started,
+    or one later than a startup can be. The startup probe restarts a container that is not ready
+    within the budget, so a Ready transition later than that (plus the probes' periods) is a
+    readiness flap, not a startup: the span up to it is the pod's age, not its startup time.
+    The result is clamped to the budget. Call it once per pod, the first time it is Ready
+    (`Autoscaler` does): a later flap moves `ready_since` again."""
+    if pod.ready_since is None or pod.container_started is None:
+        return None
+    span = pod.ready_since - pod.container_started
+    if span < 0 or span > budget_s + STARTUP_SLACK_S:
+        return None
+    return min(span, budget_s)
+
+
+def startup_estimate(startups: Iterable[float | None], budget_s: float) -> float | None:
+    """The median measured startup (None: none measured yet), never above the budget."""
+    measured = sorted(s for s in startups if s is not None)
+    if not measured:
+        return None
+    return min(budget_s, max(0.0, measured[len(measured) // 2]))
+
+
+@dataclass
+class Autoscaler:
+    """One resource's autoscaler: the samples its windows need and each pod's startup, measured
+    once. The operator and the simulator both drive it: `observe` every scrape, then `decide`."""
+
+    history: deque[Sample] = field(default_factory=deque)
+    # Pod uid -> its startup in seconds, measured the first time it was seen Ready (None: its
+    # status could not tell). Never measured again: a readiness flap or a restart later is not a
+    # startup. Pods that are gone are forgotten.
+    startups: dict[str, float | None] = field(default_factory=dict)
+    interval_s: float = 2.0  # the scrape interval: history keeps one more on each side
+    last_lookahead_s: float = 0.0  # the look-ahead of the last decision (for status)
+
+    def observe(self, sample: Sample, timings: Iterable[PodTiming], params: Params) -> None:
+        timings = list(timings)
+        for t in timings:
+            if t.uid not in self.startups and t.ready_since is not None:
+                self.startups[t.uid] = startup_of(t, params.startup_budget_s)
+        alive = {t.uid for t in timings}
+        for uid in [u for u in self.startups if u not in alive]:
+            del self.startups[uid]
+        if self.history and sample.time < self.history[-1].time:
+            self.history.clear()  # a clock that went back: the windows are meaningless
+        self.history.append(sample)
+        keep = max(params.up_window_s, params.down_window_s, params.trend_window_s) + 2 * self.interval_s
+        while len(self.history) > 1 and self.history[1].time <= sample.time - keep:
+            self.history.popleft()
+
+    def lookahead_s(self, params: Params) -> float:
+        """The look-ahead: the pods' median startup, at most the budget (params' own: none measured)."""
+        measured = startup_estimate(self.startups.values(), params.startup_budget_s)
+        return params.lookahead_s if measured is None else measured
+
+    def decide(self, current: int, params: Params) -> Decision:
+        self.last_lookahead_s = min(self.lookahead_s(params), params.startup_budget_s)
+        params = replace(params, lookahead_s=self.last_lookahead_s)
+        now = self.history[-1].time if self.history else None
+        return decide(self.history, current, params, now)

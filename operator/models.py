@@ -746,6 +746,16 @@ class AutoscalingStatus(_Model):
     desired_replicas: int | None = Field(default=None, description="Workers the autoscaler wants.")
     ready_workers: int = Field(default=0, description="Ready workers scraped.")
     starting_workers: int = Field(default=0, description="Workers not ready yet (loading).")
+    unreadable_workers: int = Field(
+        default=0,
+        description="Ready workers whose metrics could not be read at the last scrape (counted as "
+        "exactly at target; no scale-down while any is).",
+    )
+    lookahead_seconds: float = Field(
+        default=0.0,
+        description="How far ahead a rising arrival rate is projected: the workers' median startup "
+        "(container start to first Ready), at most server.startupTimeoutSeconds.",
+    )
     kv_cache_usage: float | None = Field(
         default=None, description="Mean KV-cache occupancy of the ready workers (0-1)."
     )

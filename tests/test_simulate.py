@@ -1,12 +1,21 @@
-"""The autoscaling simulator (operator/simulate.py): report shape, determinism, and that it runs
-the operator's own policy."""
+"""The autoscaling simulator (tests/simulate.py): report shape, determinism, that it runs the
+operator's own autoscaler, and that a flat load makes it add no workers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
-from kvscale.operator import simulate
-from kvscale.operator.autoscaling import decide
+import simulate
+
+from kvscale.operator.autoscaling import Autoscaler, Params
+from kvscale.operator.models import AutoscalingSpec
 
 
 def small(seed: int) -> dict:
@@ -59,8 +68,51 @@ def test_worker_model_interpolates_the_benchmark():
     assert m.decode_rate(8) < m.decode_rate(20) < m.decode_rate(32)
 
 
-def test_the_simulator_uses_the_operators_policy():
-    assert simulate.decide is decide
+def test_the_simulator_drives_the_operators_autoscaler_and_is_not_shipped():
+    policy = simulate.KvscalePolicy(Params())
+    assert type(policy.scaler) is Autoscaler  # the object operator/autoscaler.py keeps per resource
+    workers = [simulate.Worker("w1", simulate.WorkerModel(), ready_at=0.0, started_at=-30.0)]
+    policy.decide(0.0, workers, 1)
+    assert policy.scaler.startups == {"w1": 30.0} and policy.scaler.lookahead_s(policy.params) == 30.0
+    assert importlib.util.find_spec("kvscale.operator.simulate") is None
+
+
+OLD_TREND = {"trend_t": 0.0, "trend_window_s": 20.0}  # before: every positive slope over 20 s
+
+
+def _flat(rps: float, workers: int, seed: int, duration: float = 600.0, **overrides):
+    """The operator's autoscaler (AutoscalingSpec defaults) on a flat Poisson load, the fleet
+    starting at `workers`, with 30 s startups measured on the pods (the look-ahead)."""
+    model = simulate.WorkerModel()
+    cfg = simulate.TraceConfig(duration_s=duration, base_rps=rps, peak_rps=rps, quiet_start_s=duration)
+    params = Params.from_spec(AutoscalingSpec(min_replicas=1, max_replicas=8))
+    params = replace(params, **overrides)
+    requests, rate = simulate.make_trace(cfg, random.Random(seed))
+    policy = simulate.KvscalePolicy(params)
+    result = simulate.run(policy, requests, rate, model, cfg.duration_s, slo_s=1.0, initial=workers)
+    assert math.isclose(policy.scaler.lookahead_s(params), model.load_time_s)
+    return result
+
+
+def test_a_flat_poisson_load_never_adds_workers():
+    """Ten seeds of 10 minutes of a flat Poisson load one worker takes (0.6 requests/s, KV usage
+    well under target): no worker is added. Projecting every positive slope of the arrival
+    rate's noise 30 s ahead, as the autoscaler did before the significance test, adds workers on
+    most seeds."""
+    assert [_flat(0.6, 1, seed).max_replicas for seed in range(10)] == [1] * 10
+    old = [_flat(0.6, 1, seed, **OLD_TREND).max_replicas for seed in range(10)]
+    assert sum(n > 1 for n in old) >= 5, old
+
+
+def test_under_a_busier_flat_load_the_trend_adds_nothing():
+    """3.4 requests/s on 2 workers: long requests push KV usage over target now and then, and the
+    fleet moves on that (real load), but the arrival trend adds nothing: every decision is the
+    one the autoscaler makes with the look-ahead off. Every positive slope taken: more workers."""
+    for seed in range(5):
+        ours, off = _flat(3.4, 2, seed), _flat(3.4, 2, seed, trend_t=math.inf)
+        assert ours.timeline == off.timeline and ours.scaling_actions == off.scaling_actions, seed
+    old, off = _flat(3.4, 2, 0, **OLD_TREND), _flat(3.4, 2, 0, trend_t=math.inf)
+    assert old.replica_seconds > off.replica_seconds and old.max_replicas > off.max_replicas
 
 
 def test_cli_prints_json(capsys):
@@ -72,6 +124,19 @@ def test_cli_prints_json(capsys):
     )
     report = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in report["results"]] == ["kvscale", "static-peak"]
+
+
+def test_the_cli_runs_from_its_place_in_tests():
+    repo = Path(__file__).resolve().parents[1]
+    args = ["--duration", "60", "--policies", "kvscale", "--max-replicas", "2"]
+    out = subprocess.run(
+        [sys.executable, "tests/simulate.py", *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| kvscale |" in out
 
 
 def test_workers_count_arrivals_as_the_operator_reads_them():

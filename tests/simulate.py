@@ -1,14 +1,18 @@
 """Autoscaling policies side by side on one simulated fleet and one bursty request trace.
 
-    python -m kvscale.operator.simulate --json --plot out.png [--seed 1] [--duration 1800]
+    python tests/simulate.py --json --plot out.png [--seed 1] [--duration 1800]
+
+Not part of the shipped operator: a test and docs tool (tests/test_simulate.py imports it), run
+from a checkout with the package installed (`pip install -e '.[operator]'`).
 
 A fleet of continuously batching workers (throughput by batch size, a KV-block pool that limits
 concurrency, a bounded queue answering 429, model load time for new workers, drain on removal)
 serves a seeded trace with bursts and long-tailed prompt and output lengths. The same trace is
 served under each policy:
 
-- `kvscale`: the operator's own policy, `kvscale.operator.autoscaling.decide`, with the
-  defaults of `AutoscalingSpec` (what a user gets without tuning);
+- `kvscale`: the operator's own autoscaler, the `kvscale.operator.autoscaling.Autoscaler` object
+  operator/autoscaler.py drives (history, startups measured per pod, the look-ahead, `decide`),
+  with the defaults of `AutoscalingSpec` (what a user gets without tuning);
 - `request-count`: KubeAI's algorithm: replicas = ceil(moving average of active requests /
   targetRequests), averaged over its default 10-minute window, sampled every 10 s, scale-down
   after a 30 s delay;
@@ -37,9 +41,9 @@ import random
 import sys
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-from kvscale.operator.autoscaling import Params, PodLoad, Sample, decide
+from kvscale.operator.autoscaling import Autoscaler, Params, PodLoad, PodTiming, Sample
 from kvscale.operator.models import AutoscalingSpec
 
 # -- the worker model -------------------------------------------------------------------------
@@ -268,19 +272,17 @@ class Policy:
 
 
 class KvscalePolicy(Policy):
-    """The operator's policy, called exactly as operator/autoscaler.py calls it."""
+    """The operator's autoscaler: the same `Autoscaler` object operator/autoscaler.py drives, fed
+    what the operator reads from each pod (its status and its /metrics)."""
 
     name = "kvscale"
 
     def __init__(self, params: Params) -> None:
-        self.params, self.history = params, deque[Sample]()
+        self.params = params
+        self.scaler = Autoscaler(interval_s=self.interval_s)
 
     def decide(self, now, workers, current):
-        # As operator/autoscaler.py does: look ahead by the startup time observed on the workers.
-        startups = sorted(w.ready_at - w.started_at for w in workers if w.ready_at <= now)
-        if startups:
-            self.params = replace(self.params, lookahead_s=startups[len(startups) // 2])
-        pods = []
+        pods, timings = [], []
         for w in workers:
             if w.draining_since is not None:
                 pods.append(PodLoad(w.name, "terminating"))
@@ -290,11 +292,9 @@ class KvscalePolicy(Policy):
                 pods.append(
                     PodLoad(w.name, "ready", w.kv_usage(), len(w.waiting), len(w.running), w.arrivals())
                 )
-        self.history.append(Sample(now, tuple(pods)))
-        keep = max(self.params.up_window_s, self.params.down_window_s) + 2 * self.interval_s
-        while len(self.history) > 1 and self.history[1].time <= now - keep:
-            self.history.popleft()
-        d = decide(self.history, current, self.params, now)
+            timings.append(PodTiming(w.name, w.started_at, w.ready_at if w.ready(now) else None))
+        self.scaler.observe(Sample(now, tuple(pods)), timings, self.params)
+        d = self.scaler.decide(current, self.params)
         return d.replicas, d.victims
 
 
@@ -602,7 +602,7 @@ def _overrides(pairs: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvscale.operator.simulate",
+        prog="python tests/simulate.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
