@@ -59,7 +59,7 @@ _SUFFIX = {
 
 
 def _quantity(text: Any) -> float:
-    """Kubernetes' quantity library for the interpreter (isQuantity, quantity, sign). The
+    """Kubernetes' quantity library for the interpreter (isQuantity, quantity, isGreaterThan). The
     grammar is the models' regex, so this checks the CEL expressions, not isQuantity itself:
     the e2e test does, against the real API server."""
     match = re.search(QUANTITY, str(text))
@@ -74,7 +74,7 @@ def _quantity(text: Any) -> float:
 CEL_FUNCTIONS = {
     "isQuantity": lambda s: celtypes.BoolType(re.search(QUANTITY, str(s)) is not None),
     "quantity": lambda s: celtypes.DoubleType(_quantity(s)),
-    "sign": lambda q: celtypes.IntType((q > 0) - (q < 0)),
+    "isGreaterThan": lambda q, other: celtypes.BoolType(q > other),
     "hasValue": lambda o: celtypes.BoolType(not isinstance(o, celtypes.NullType)),
 }
 _CEL = celpy.Environment()
