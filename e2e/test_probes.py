@@ -5,7 +5,7 @@ probe; a worker that never finishes loading its model is restarted once the star
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import shutil
 import signal
@@ -81,20 +81,27 @@ def running(address: str) -> float:
     return 0.0
 
 
-def keep_busy(address: str, n: int = 4) -> None:
-    """n long completions in the background, so the engine is mid-work when its thread is frozen
-    (they die with the container; their errors are expected)."""
+def keep_busy(address: str, model: str, n: int = 4) -> list[str]:
+    """n long completions in the background, so the engine is mid-work when its thread is frozen;
+    returns the list their errors land in (they die with the container: those are expected)."""
+    errors: list[str] = []
+    # 900 tokens: the example's maxModelLen is 1024; at 500m of CPU that is many seconds of work.
+    body = json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True})
 
     def one() -> None:
-        body = b'{"model": "tiny", "prompt": "def f(x):", "max_tokens": 1500, "ignore_eos": true}'
         request = urllib.request.Request(
-            f"http://{address}/v1/completions", body, {"Content-Type": "application/json"}
+            f"http://{address}/v1/completions", body.encode(), {"Content-Type": "application/json"}
         )
-        with contextlib.suppress(OSError):
+        try:
             urllib.request.urlopen(request, timeout=300).read()
+        except urllib.error.HTTPError as e:
+            errors.append(f"{e.code}: {e.read()[:300]!r}")
+        except OSError as e:
+            errors.append(repr(e))
 
     for _ in range(n):
         threading.Thread(target=one, daemon=True).start()
+    return errors
 
 
 def test_a_worker_whose_engine_thread_hangs_is_restarted_by_its_liveness_probe(operator, namespace):  # noqa: F811
@@ -114,8 +121,10 @@ def test_a_worker_whose_engine_thread_hangs_is_restarted_by_its_liveness_probe(o
     status = pod.status.container_statuses[0]
     assert status.restart_count == 0
     address = f"{pod.status.pod_ip}:{WORKER_PORT}"
-    keep_busy(address)
-    wait_for(lambda: running(address) >= 1, timeout=30, interval=0.2, what="the engine to be mid-work")
+    errors = keep_busy(address, model="hung")  # served under the resource's name
+    wait_for(
+        lambda: running(address) >= 1, timeout=30, interval=0.2, what=f"the engine to be mid-work ({errors})"
+    )
     stopper = ThreadStopper(operator.node.container_pid(status.container_id), ENGINE_THREAD)
     try:
         # A thread frozen while it holds the GIL freezes the server too (the SIGSTOP case above):
