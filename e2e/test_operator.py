@@ -185,9 +185,9 @@ def complete(address: str, served_name: str) -> dict:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (
-            {"model": {"uri": "/m"}, "replicas": 1, "autoscaling": {"maxReplicas": 2}},
-            "set either replicas or autoscaling",
+        (  # also what kubectl scale, an HPA or KEDA meet on an autoscaled resource (test_scale.py)
+            {"model": {"uri": "/m"}, "replicas": 3, "autoscaling": {"maxReplicas": 2}},
+            "with autoscaling the operator's autoscaler sets the worker count: leave replicas out",
         ),
         (
             {"model": {"uri": "/m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
