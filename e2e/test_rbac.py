@@ -188,3 +188,49 @@ def test_the_namespaced_install_serves_its_namespace_with_no_cluster_wide_right(
 
 def deployment(cluster):
     return client.AppsV1Api(cluster.api).read_namespaced_deployment(OPERATOR, OPERATOR_NS)
+
+
+def can_i(cluster, user: str, verb: str, resource: str, ns: str, subresource: str = "") -> bool:
+    extra = [f"--subresource={subresource}"] if subresource else []
+    answer = cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", ns, "--as", user, check=False)
+    return answer.stdout.strip() == "yes"
+
+
+def test_namespace_editors_manage_and_viewers_read_inferencedeployments(operator, namespace):  # noqa: F811
+    """manifests/user-roles.yaml, aggregated into the built-in edit and view ClusterRoles: a user
+    bound to `edit` in a namespace manages InferenceDeployments there, one bound to `view` reads
+    them; neither writes status, and neither has rights in another namespace."""
+    rbac = client.RbacAuthorizationV1Api(operator.api)
+    if not rbac.read_cluster_role("edit").rules:
+        pytest.skip(
+            "the built-in edit role has no rules: the control plane runs no "
+            "clusterrole-aggregation-controller (e2e/controlplane/main.go, controllers)"
+        )
+    resource = "inferencedeployments.kvscale.dev"
+    wait_for(
+        lambda: any(
+            resource.split(".")[0] in (r.resources or []) for r in rbac.read_cluster_role("view").rules
+        ),
+        timeout=30,
+        what="the aggregation of kvscale-inferencedeployments-view into view",
+    )
+    for user, role in (("e2e-editor", "edit"), ("e2e-viewer", "view")):
+        operator.kubectl(
+            "create",
+            "rolebinding",
+            f"{user}-{role}",
+            f"--clusterrole={role}",
+            f"--user={user}",
+            "-n",
+            namespace,
+        )
+    editor = {
+        v: can_i(operator, "e2e-editor", v, resource, namespace) for v in ("create", "patch", "delete", "get")
+    }
+    assert all(editor.values()), editor
+    assert can_i(operator, "e2e-editor", "update", resource, namespace, "scale")
+    assert can_i(operator, "e2e-viewer", "list", resource, namespace)
+    assert can_i(operator, "e2e-viewer", "watch", resource, namespace)
+    assert not can_i(operator, "e2e-viewer", "create", resource, namespace)
+    assert not can_i(operator, "e2e-editor", "patch", resource, namespace, "status")
+    assert not can_i(operator, "e2e-editor", "get", resource, OPERATOR_NS)
