@@ -212,7 +212,10 @@ func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, o opt
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--api-audiences=https://kubernetes.default.svc",
 		"--service-cluster-ip-range=" + o.serviceCIDR,
-		"--enable-admission-plugins=NodeRestriction",
+		// On top of the defaults: OwnerReferencesPermissionEnforcement, as OpenShift and hardened
+		// clusters run it, so that the e2e tests prove the operator's RBAC lets it set
+		// blockOwnerDeletion on its children (update on inferencedeployments/finalizers).
+		"--enable-admission-plugins=NodeRestriction,OwnerReferencesPermissionEnforcement",
 		"--enable-priority-and-fairness=false",
 		"--shutdown-delay-duration=0s",
 		"--profiling=false",
