@@ -53,6 +53,7 @@ var controllers = []string{
 	"namespace-controller",
 	"disruption-controller",
 	"horizontal-pod-autoscaler-controller",
+	"clusterrole-aggregation-controller", // fills edit/view with manifests/user-roles.yaml's rules
 	"root-ca-certificate-publisher-controller",
 	"pod-garbage-collector-controller",
 	"persistentvolume-binder-controller",
