@@ -652,6 +652,16 @@ def test_largest_stop_list_slows_other_streams_by_under_10_percent(target_model)
 # -- a stuck engine thread fails liveness --------------------------------------------------------
 
 
+def assert_health_turns_stuck(base_url: str, why_not: str) -> None:
+    """/health turns 500 {"status": "stuck"} within 30 s (the tests' timeout is 1 s)."""
+    deadline, status, body = time.monotonic() + 30, 200, b""
+    while status == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status, _, body = raw(base_url, "/health")
+    assert status == 500, why_not
+    assert json.loads(body) == {"status": "stuck"}
+
+
 def test_engine_stuck_is_a_loop_pass_outliving_the_timeout() -> None:
     assert not engine_stuck(None, now=100.0, timeout=60.0)  # idle, waiting for work
     assert not engine_stuck(50.0, now=100.0, timeout=60.0)
@@ -682,12 +692,7 @@ def test_health_fails_while_the_engine_thread_is_stuck_and_recovers(target_model
         )
         stuck.start()
         try:
-            deadline, status = time.monotonic() + 30, 200
-            while status == 200 and time.monotonic() < deadline:
-                time.sleep(0.2)
-                status, _, body = raw(base_url, "/health")
-            assert status == 500, "/health stayed green with the engine thread stuck"
-            assert json.loads(body) == {"status": "stuck"}
+            assert_health_turns_stuck(base_url, "/health stayed green with the engine thread stuck")
         finally:
             release.set()
         stuck.join(60)
@@ -719,12 +724,7 @@ def test_health_fails_while_the_engine_thread_hangs_outside_a_step(target_model,
         )
         stuck.start()
         try:
-            deadline, status = time.monotonic() + 30, 200
-            while status == 200 and time.monotonic() < deadline:
-                time.sleep(0.2)
-                status, _, body = raw(base_url, "/health")
-            assert status == 500, "/health stayed green with the engine thread stuck between steps"
-            assert json.loads(body) == {"status": "stuck"}
+            assert_health_turns_stuck(base_url, "/health green: engine stuck between steps")
         finally:
             release.set()
         stuck.join(60)
@@ -767,12 +767,7 @@ def test_health_fails_while_the_engine_thread_sleeps_on_work_it_never_takes(targ
         )
         waiting.start()
         try:
-            deadline, status = time.monotonic() + 30, 200
-            while status == 200 and time.monotonic() < deadline:
-                time.sleep(0.2)
-                status, _, body = raw(base_url, "/health")
-            assert status == 500, "/health stayed green while an add waited for a sleeping engine"
-            assert json.loads(body) == {"status": "stuck"}
+            assert_health_turns_stuck(base_url, "/health green: an add waits on a sleeping engine")
         finally:
             llm._wake = real_wake
             lost.release()  # whichever of the two the thread sleeps on
@@ -795,6 +790,8 @@ def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
 
+    threads: list[threading.Thread] = []
+
     async def main() -> float:
         llm = AsyncLLM(EngineArgs(model=target_model, num_kv_blocks=64), target_model)
         await llm.start()
@@ -806,6 +803,7 @@ def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
         await llm.shutdown(timeout=1.0)
         took = time.monotonic() - t0
         waiter.cancel()
+        threads.append(llm._thread)
         return took
 
     # The hang ends after 20 s at the latest, so a shutdown that waits for it fails, not hangs.
@@ -816,4 +814,6 @@ def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
     finally:
         release.set()
         timer.cancel()
+        for thread in threads:  # let the released engine thread end before the test does
+            thread.join(30)
     assert took < 5.0, f"shutdown waited {took:.1f} s for a stuck engine thread"
