@@ -652,6 +652,14 @@ def test_largest_stop_list_slows_other_streams_by_under_10_percent(target_model)
 # -- a stuck engine thread fails liveness --------------------------------------------------------
 
 
+def complete_in_background(base_url: str, **request) -> threading.Thread:
+    """A completion sent from a daemon thread (it may wait on a stuck engine); the thread, started."""
+    c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    thread = threading.Thread(target=c.completions.create, kwargs=request, daemon=True)
+    thread.start()
+    return thread
+
+
 def assert_health_turns_stuck(base_url: str, why_not: str) -> None:
     """/health turns 500 {"status": "stuck"} within 30 s (the tests' timeout is 1 s)."""
     deadline, status, body = time.monotonic() + 30, 200, b""
@@ -684,13 +692,9 @@ def test_health_fails_while_the_engine_thread_is_stuck_and_recovers(target_model
     config = ServerConfig(engine_iteration_timeout=1.0)
     with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, llm):
         assert raw(base_url, "/health")[0] == 200
-        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        stuck = threading.Thread(
-            target=c.completions.create,
-            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED),
-            daemon=True,
+        stuck = complete_in_background(
+            base_url, model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED
         )
-        stuck.start()
         try:
             assert_health_turns_stuck(base_url, "/health stayed green with the engine thread stuck")
         finally:
@@ -716,13 +720,9 @@ def test_health_fails_while_the_engine_thread_hangs_outside_a_step(target_model,
     monkeypatch.setattr(LLMEngine, "add_prepared", add_prepared)
     config = ServerConfig(engine_iteration_timeout=1.0)
     with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, _llm):
-        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        stuck = threading.Thread(
-            target=c.completions.create,
-            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED),
-            daemon=True,
+        stuck = complete_in_background(
+            base_url, model=target_model, prompt=PROMPT, max_tokens=2, seed=FAULTY_SEED
         )
-        stuck.start()
         try:
             assert_health_turns_stuck(base_url, "/health green: engine stuck between steps")
         finally:
@@ -759,13 +759,7 @@ def test_health_fails_while_the_engine_thread_sleeps_on_work_it_never_takes(targ
             time.sleep(0.05)
         real_wake, lost = llm._wake, _LostWakeUp()
         llm._wake = lost
-        c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        waiting = threading.Thread(
-            target=c.completions.create,
-            kwargs=dict(model=target_model, prompt=PROMPT, max_tokens=2),
-            daemon=True,
-        )
-        waiting.start()
+        waiting = complete_in_background(base_url, model=target_model, prompt=PROMPT, max_tokens=2)
         try:
             assert_health_turns_stuck(base_url, "/health green: an add waits on a sleeping engine")
         finally:
