@@ -78,6 +78,9 @@ CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
 NETWORK_ERRORS = (HTTPError, OSError)
 
 retries = RetryQueue()
+# The namespaced install's namespaces (kvscale-operator run --watch-namespace): the resync lists
+# in these only, as its Roles allow nothing cluster-wide. Empty: every namespace.
+watch_namespaces: tuple[str, ...] = ()
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -103,7 +106,7 @@ def _json(response) -> dict[str, Any]:
     return json.loads(response.data)
 
 
-# Per kind: (read, server-side apply, list in all namespaces) on the typed client.
+# Per kind: (read, server-side apply, list in all namespaces, list in one) on the typed client.
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
     return {
@@ -111,16 +114,19 @@ def _ops(kind: str):
             apps.read_namespaced_deployment,
             apps.patch_namespaced_deployment,
             apps.list_deployment_for_all_namespaces,
+            apps.list_namespaced_deployment,
         ),
         "Service": (
             core.read_namespaced_service,
             core.patch_namespaced_service,
             core.list_service_for_all_namespaces,
+            core.list_namespaced_service,
         ),
         "PodDisruptionBudget": (
             policy.read_namespaced_pod_disruption_budget,
             policy.patch_namespaced_pod_disruption_budget,
             policy.list_pod_disruption_budget_for_all_namespaces,
+            policy.list_namespaced_pod_disruption_budget,
         ),
     }[kind]
 
@@ -443,17 +449,29 @@ def pdb_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 def list_resources() -> list[dict[str, Any]]:
-    return client.CustomObjectsApi(api()).list_cluster_custom_object(
-        GROUP, VERSION, PLURAL, _request_timeout=API_TIMEOUT_S
-    )["items"]
+    """Every resource in the watched namespaces (all of them: one cluster-wide LIST)."""
+    custom = client.CustomObjectsApi(api())
+    if not watch_namespaces:
+        return custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=API_TIMEOUT_S)[
+            "items"
+        ]
+    return [
+        item
+        for namespace in watch_namespaces
+        for item in custom.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, _request_timeout=API_TIMEOUT_S
+        )["items"]
+    ]
 
 
 def list_children(kind: str) -> list[dict[str, Any]]:
-    """Our children of `kind` in every namespace (a list's items carry no apiVersion or kind)."""
-    listed = _ops(kind)[2](
-        label_selector=CHILD_SELECTOR, _preload_content=False, _request_timeout=API_TIMEOUT_S
-    )
-    return _json(listed)["items"]
+    """Our children of `kind` in the watched namespaces (a list's items carry no apiVersion or
+    kind)."""
+    ops = _ops(kind)
+    query = {"label_selector": CHILD_SELECTOR, "_preload_content": False, "_request_timeout": API_TIMEOUT_S}
+    if not watch_namespaces:
+        return _json(ops[2](**query))["items"]
+    return [item for namespace in watch_namespaces for item in _json(ops[3](namespace, **query))["items"]]
 
 
 def resync() -> None:

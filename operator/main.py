@@ -2,12 +2,14 @@
 
     kvscale-operator run [--namespace NS] [--lease-name NAME] [--identity ID] [--health-port 8080]
                          [--lease-duration 15] [--renew-deadline 10] [--retry-period 2]
+                         [--watch-namespace NS ...]
     kvscale-operator crd [--markdown]
 
 `run` waits to hold the Lease (standby replicas wait here), then runs the kopf handlers
-cluster-wide until SIGTERM (exit 0, the Lease handed back) or until it could not renew the Lease
-within the renew deadline (it stops writing at once, then exits 1, so the pod restarts as a
-standby). Credentials: in-cluster, else KUBECONFIG / ~/.kube/config.
+cluster-wide (or, with --watch-namespace, in those namespaces only) until SIGTERM (exit 0, the
+Lease handed back) or until it could not renew the Lease within the renew deadline (it stops
+writing at once, then exits 1, so the pod restarts as a standby). Credentials: in-cluster, else
+KUBECONFIG / ~/.kube/config.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -26,6 +29,34 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logger = logging.getLogger("kvscale.operator")
 EXIT_GRACE_S = 30.0  # after losing the lease, how long kopf may take to stop
+
+
+# A namespace's name: an RFC 1123 label.
+NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def watch_namespaces(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
+    """The namespaces to watch: --watch-namespace (repeated, or comma-separated), else
+    KVSCALE_WATCH_NAMESPACES (comma-separated); none: every namespace. Raises ValueError on a
+    name that cannot be a namespace (kopf would take it as a glob pattern)."""
+    given = flags if flags else [env or ""]
+    names = tuple(dict.fromkeys(n.strip() for item in given for n in item.split(",") if n.strip()))
+    bad = [n for n in names if not NAMESPACE_NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"not a namespace name: {', '.join(bad)}")
+    return names
+
+
+def kopf_scope(namespaces: tuple[str, ...]) -> dict:
+    """kopf.operator's arguments for the scope: every namespace, or exactly the given ones."""
+    return {"namespaces": list(namespaces)} if namespaces else {"clusterwide": True}
+
+
+def _namespaced_settings(settings, **_) -> None:
+    """A namespaced install has no cluster-wide rights: kopf must not list or watch Namespaces
+    or CRDs (cluster-scoped). It then serves exactly the given namespaces and the resources
+    found at startup (API discovery, which every authenticated user may read)."""
+    settings.scanning.disabled = True
 
 
 def _env_number(name: str, kind: type, default: float) -> float:
@@ -89,7 +120,7 @@ def _timeouts(settings, **_) -> None:
     settings.watching.client_timeout = (settings.watching.server_timeout or 300) + 60
 
 
-async def _lead(lock, fence) -> int:
+async def _lead(lock, fence, namespaces: tuple[str, ...] = ()) -> int:
     """Run kopf while the lease is ours (leader.keep_renewing); when it is lost, stop kopf and
     the autoscaler tasks (their writes are refused already, by the fence) and exit 1."""
     import kopf
@@ -115,10 +146,12 @@ async def _lead(lock, fence) -> int:
 
     kopf.on.login()(_fenced_login(fence))
     kopf.on.startup()(_timeouts)
+    if namespaces:
+        kopf.on.startup()(_namespaced_settings)
     keeper = asyncio.create_task(guard())
     try:
         # standalone: our Lease replaces kopf's peering; kopf stops on SIGTERM or on `stop`.
-        await kopf.operator(clusterwide=True, standalone=True, stop_flag=stop)
+        await kopf.operator(standalone=True, stop_flag=stop, **kopf_scope(namespaces))
     finally:
         stop.set()
         keeper.cancel()
@@ -136,10 +169,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Imported (the handlers registered) before standing by: a standby that wins starts at once.
     import kvscale.operator.autoscaler  # noqa: F401 (registers the autoscaler's event handler)
+    from kvscale.operator import handlers
     from kvscale.operator.handlers import api
     from kvscale.operator.leader import JITTER, Fence, LeaseLock, Timings, fence_api_client
 
     timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+    handlers.watch_namespaces = args.watch_namespaces  # the resync lists in these only
     if args.health_port:
         _health_server(args.health_host, args.health_port)
     # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
@@ -168,13 +203,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if stopping.wait(random.uniform(1, 1 + JITTER) * timings.retry_period_s):
             return 0  # stopped while standing by
     fence.renewed(started)
-    logger.info("leading", extra={"identity": args.identity})
+    logger.info(
+        "leading",
+        extra={"identity": args.identity, "namespaces": list(args.watch_namespaces) or "all"},
+    )
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # from here on kopf handles the signals
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if stopping.is_set():
         lock.release(timings.retry_period_s)
         return 0
-    return asyncio.run(_lead(lock, fence))
+    return asyncio.run(_lead(lock, fence, args.watch_namespaces))
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -221,6 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--health-host", default=os.environ.get("KVSCALE_HOST", "0.0.0.0"), help="(env KVSCALE_HOST)"
     )
+    run.add_argument(
+        "--watch-namespace",
+        action="append",
+        dest="watch_namespaces",
+        metavar="NS",
+        help="serve InferenceDeployments in this namespace only (repeat, or comma-separate, for "
+        "several; the namespaced install, manifests/namespaced/); default: every namespace "
+        "(env KVSCALE_WATCH_NAMESPACES, comma-separated)",
+    )
     run.set_defaults(func=cmd_run)
     crd = sub.add_parser(
         "crd", help="print the CustomResourceDefinition (or, with --markdown, its reference)"
@@ -233,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+            args.watch_namespaces = watch_namespaces(
+                args.watch_namespaces, os.environ.get("KVSCALE_WATCH_NAMESPACES")
+            )
         except ValueError as e:
             parser.error(str(e))
 

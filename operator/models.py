@@ -616,14 +616,24 @@ def _list_map(*keys: str) -> dict[str, Any]:
     return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
 
 
+AUTOSCALED_REPLICAS_MESSAGE = (
+    "with autoscaling the operator's autoscaler sets the worker count: leave replicas out "
+    "(kubectl scale, an HPA or KEDA cannot scale this resource; change autoscaling.minReplicas "
+    "and maxReplicas, or remove autoscaling to scale by hand)"
+)
+
+
 class InferenceDeploymentSpec(_Model):
     """An autoscaled, OpenAI-compatible model endpoint: worker pods, a Service and a disruption budget."""
 
     rules = (
+        # `replicas` defaults to 1 (the scale subresource needs it on every object: the API
+        # server's GET /scale fails when it is absent), so with autoscaling it must stay at its
+        # default: a kubectl scale, HPA or KEDA write is refused here, not silently ignored.
         Rule(
-            "!(has(self.replicas) && has(self.autoscaling))",
-            "set either replicas or autoscaling, not both",
-            lambda s: s.replicas is None or s.autoscaling is None,
+            "!has(self.autoscaling) || !has(self.replicas) || self.replicas == 1",
+            AUTOSCALED_REPLICAS_MESSAGE,
+            lambda s: s.autoscaling is None or s.replicas == 1,
         ),
     )
 
@@ -637,15 +647,18 @@ class InferenceDeploymentSpec(_Model):
         max_length=512,
         description="Worker image. Default: the operator's configured worker image.",
     )
-    replicas: int | None = Field(
-        default=None,
+    replicas: int = Field(
+        default=1,
         ge=0,
         le=1000,
-        description="A fixed number of workers (default 1). Mutually exclusive with autoscaling; this is "
-        "also the field the scale subresource (HPA, KEDA, kubectl scale) sets.",
+        description="A fixed number of workers: the field the scale subresource reads and sets "
+        "(kubectl scale, an HPA, KEDA). Leave it out of applied manifests when one of those scales "
+        "the resource. Ignored, and left at its default, with autoscaling.",
     )
     autoscaling: AutoscalingSpec | None = Field(
-        default=None, description="Let the operator scale workers. Mutually exclusive with replicas."
+        default=None,
+        description="Let the operator scale workers (replicas is then left out: the autoscaler owns "
+        "the count).",
     )
     server: ServerSpec = Field(
         default_factory=ServerSpec, description="HTTP server and lifecycle of the workers."
@@ -710,9 +723,7 @@ class InferenceDeploymentSpec(_Model):
     @property
     def desired_replicas(self) -> int | None:
         """The replica count the operator writes; None when the autoscaler owns it."""
-        if self.autoscaling is not None:
-            return None
-        return 1 if self.replicas is None else self.replicas
+        return None if self.autoscaling is not None else self.replicas
 
 
 # Condition types are open (metav1.Condition's grammar, no enum): an older CRD must accept the

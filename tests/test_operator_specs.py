@@ -237,7 +237,9 @@ BAD_SPECS = [
         "Duplicate value|unique",
     ),
     # The rules that were in the CRD only; the models now say the same.
-    (spec_of(replicas=1, autoscaling={"maxReplicas": 2}), "set either replicas or autoscaling"),
+    # kubectl scale, an HPA or KEDA writing spec.replicas of an autoscaled resource.
+    (spec_of(replicas=3, autoscaling={"maxReplicas": 2}), "leave replicas out"),
+    (spec_of(replicas=0, autoscaling={"maxReplicas": 2}), "leave replicas out"),
     (spec_of(speculative={"method": "draft"}), "method draft needs draftModelUri"),
     (spec_of(autoscaling={"minReplicas": 3, "maxReplicas": 2}), "minReplicas must not exceed"),
 ]
@@ -297,6 +299,8 @@ GOOD_SPECS = [
     spec_of(podMetadata={"labels": {"team": "search", "example.com/tier": "gold"}}),
     spec_of(podMetadata={"annotations": {"prometheus.io/scrape": "false", "a.b/c": "anything at all"}}),
     spec_of(nodeSelector={"nvidia.com/gpu.present": "true", "pool": ""}),
+    spec_of(autoscaling={"maxReplicas": 2}),  # replicas defaults to 1, which autoscaling ignores
+    spec_of(replicas=1, autoscaling={"maxReplicas": 2}),  # the default written out: accepted, ignored
 ]
 
 

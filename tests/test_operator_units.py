@@ -55,10 +55,10 @@ def test_crd_schema_is_structural_and_documented():
 
     walk(schema, "spec")
     assert schema["required"] == ["model"]
-    assert schema["x-kubernetes-validations"][0]["message"] == "set either replicas or autoscaling, not both"
+    assert schema["x-kubernetes-validations"][0]["message"].startswith("with autoscaling the operator's")
     assert schema["properties"]["speculative"]["properties"]["method"]["enum"] == ["draft", "ngram"]
     assert schema["properties"]["autoscaling"]["properties"]["minReplicas"]["minimum"] == 1
-    assert "default" not in schema["properties"]["replicas"]  # a default would collide with autoscaling
+    assert schema["properties"]["replicas"]["default"] == 1  # GET /scale fails on an absent field
     assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Model",

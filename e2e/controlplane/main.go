@@ -53,6 +53,7 @@ var controllers = []string{
 	"namespace-controller",
 	"disruption-controller",
 	"horizontal-pod-autoscaler-controller",
+	"clusterrole-aggregation-controller", // fills edit/view with manifests/user-roles.yaml's rules
 	"root-ca-certificate-publisher-controller",
 	"pod-garbage-collector-controller",
 	"persistentvolume-binder-controller",
@@ -212,7 +213,10 @@ func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, o opt
 		"--service-account-issuer=https://kubernetes.default.svc",
 		"--api-audiences=https://kubernetes.default.svc",
 		"--service-cluster-ip-range=" + o.serviceCIDR,
-		"--enable-admission-plugins=NodeRestriction",
+		// On top of the defaults: OwnerReferencesPermissionEnforcement, as OpenShift and hardened
+		// clusters run it, so that the e2e tests prove the operator's RBAC lets it set
+		// blockOwnerDeletion on its children (update on inferencedeployments/finalizers).
+		"--enable-admission-plugins=NodeRestriction,OwnerReferencesPermissionEnforcement",
 		"--enable-priority-and-fairness=false",
 		"--shutdown-delay-duration=0s",
 		"--profiling=false",

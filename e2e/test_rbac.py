@@ -1,0 +1,234 @@
+"""RBAC on the real node, with the OwnerReferencesPermissionEnforcement admission plugin on (as
+OpenShift and hardened clusters run it; e2e/controlplane): the operator adopts orphaned
+children (a write that changes an existing object's ownerReferences needs `delete` on it), and
+the namespaced install (manifests/namespaced/) serves its namespace with no cluster-wide right
+and no request outside its namespaces. (Setting blockOwnerDeletion at all, `update` on
+inferencedeployments/finalizers, is what every other operator test does; the audit test in
+e2e/test_operator.py checks that the plugin refused none of it.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from kubernetes import client
+from test_controlplane import wait_for
+from test_operator import (  # noqa: F401 (fixtures)
+    OPERATOR,
+    OPERATOR_NS,
+    REPO,
+    apply,
+    condition,
+    example,
+    get_cr,
+    namespace,
+    operator,
+)
+from test_selfheal import audit_lines, operator_requests
+
+CHILD_READERS = {
+    "Deployment": lambda api: client.AppsV1Api(api).read_namespaced_deployment,
+    "Service": lambda api: client.CoreV1Api(api).read_namespaced_service,
+    "PodDisruptionBudget": lambda api: client.PolicyV1Api(api).read_namespaced_pod_disruption_budget,
+}
+CHILDREN = {"deployments", "services", "poddisruptionbudgets"}
+
+
+def owner_uids(cluster, name: str, ns: str) -> dict[str, list[str]]:
+    """Each child's ownerReferences' uids (and that each blocks its owner's deletion)."""
+    out = {}
+    for kind, reader in CHILD_READERS.items():
+        refs = reader(cluster.api)(name, ns).metadata.owner_references or []
+        assert all(r.block_owner_deletion and r.controller for r in refs), (kind, refs)
+        out[kind] = [r.uid for r in refs]
+    return out
+
+
+def owned_by(cluster, name: str, ns: str, uid: str) -> bool:
+    try:
+        return all(uids == [uid] for uids in owner_uids(cluster, name, ns).values())
+    except client.ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+
+
+def refused(events: list[dict]) -> list[tuple]:
+    return [
+        (e["verb"], e["requestURI"], e["responseStatus"].get("message"))
+        for e in events
+        if e.get("responseStatus", {}).get("code") == 403
+    ]
+
+
+def test_orphaned_children_are_adopted_under_the_owner_reference_admission_plugin(operator, namespace):  # noqa: F811
+    """`kubectl delete infd --cascade=orphan` leaves the children without an owner; applying the
+    resource again makes the operator's apply add the new owner to existing objects, which the
+    plugin allows only with `delete` on them (and `update` on the owner's finalizers)."""
+    if not operator.local:
+        pytest.skip("reads the local API server's audit log")
+    doc = example("orphan", namespace, replicas=0)  # no worker pods: only the children matter
+    apply(operator, doc)
+    first = get_cr(operator, "orphan", namespace)["metadata"]["uid"]
+    wait_for(lambda: owned_by(operator, "orphan", namespace, first), timeout=60, what="the children")
+
+    operator.kubectl("delete", "infd", "orphan", "-n", namespace, "--cascade=orphan", "--timeout=60s")
+    wait_for(
+        lambda: all(uids == [] for uids in owner_uids(operator, "orphan", namespace).values()),
+        timeout=60,
+        what="the garbage collector to orphan the children",
+    )
+    mark = audit_lines(operator)
+    apply(operator, doc)
+    second = get_cr(operator, "orphan", namespace)["metadata"]["uid"]
+    assert second != first
+    wait_for(
+        lambda: owned_by(operator, "orphan", namespace, second),
+        timeout=60,
+        interval=0.5,
+        what="the operator to adopt the orphaned children",
+    )
+    cr = get_cr(operator, "orphan", namespace)
+    assert condition(cr, "Degraded").get("reason") not in ("ApplyRejected", "ApplyFailed"), cr["status"]
+    writes = [
+        e
+        for e in operator_requests(operator, mark, namespace)
+        if e["objectRef"]["resource"] in CHILDREN and e["verb"] == "patch"
+    ]
+    assert writes, "no apply of the children was seen"
+    assert not refused(writes), refused(writes)
+
+
+def render_namespaced(cluster, watched: str) -> list[dict]:
+    """manifests/namespaced/ as kustomize renders it, its example namespace replaced by ours."""
+    text = cluster.kubectl("kustomize", str(REPO / "manifests" / "namespaced")).stdout
+    return [d for d in yaml.safe_load_all(text.replace("kvscale-workloads", watched)) if d]
+
+
+def wait_for_new_leader(cluster, old_pods: set[str]) -> str:
+    """The operator's rollout is done, a pod of the new ReplicaSet holds the Lease and the old
+    pods are gone (none of them can send another request)."""
+    cluster.kubectl("rollout", "status", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--timeout=180s")
+    coord = client.CoordinationV1Api(cluster.api)
+
+    def new_leader():
+        try:
+            holder = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
+        except client.ApiException:
+            return None
+        return holder if holder and holder not in old_pods else None
+
+    leader = wait_for(new_leader, timeout=120, interval=0.5, what="a pod of the new rollout to lead")
+    wait_for(lambda: not operator_pods(cluster) & old_pods, timeout=60, what="the old operator pods to go")
+    return leader
+
+
+def operator_pods(cluster) -> set[str]:
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
+        OPERATOR_NS, label_selector="app.kubernetes.io/name=kvscale-operator"
+    )
+    return {p.metadata.name for p in pods.items}
+
+
+def test_the_namespaced_install_serves_its_namespace_with_no_cluster_wide_right(operator, namespace):  # noqa: F811
+    """The installed operator switched to manifests/namespaced/ (watching only `namespace`) and
+    its ClusterRoleBinding removed: it reconciles a resource there, every request it makes is in
+    its namespaces, none is refused; then the cluster-wide install is restored."""
+    if not operator.local:
+        pytest.skip("reads the local API server's audit log")
+    objects = render_namespaced(operator, namespace)
+    assert not [o for o in objects if o["kind"].startswith("Cluster")]
+    before = operator_pods(operator)
+    try:
+        for obj in objects:
+            operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(obj))
+        wait_for_new_leader(operator, before)
+        # From here on nothing cluster-wide is granted: the namespaced pods run on their Roles.
+        operator.kubectl("delete", "clusterrolebinding", OPERATOR)
+        mark = audit_lines(operator)
+        apply(operator, example("scoped", namespace, replicas=0))
+        uid = get_cr(operator, "scoped", namespace)["metadata"]["uid"]
+        wait_for(
+            lambda: owned_by(operator, "scoped", namespace, uid),
+            timeout=60,
+            interval=0.5,
+            what="the namespaced operator to create the children",
+        )
+
+        def reported():
+            cr = get_cr(operator, "scoped", namespace)
+            status = cr.get("status") or {}
+            return cr if status.get("observedGeneration") == cr["metadata"]["generation"] else None
+
+        wait_for(reported, timeout=60, interval=0.5, what="the namespaced operator to write status")
+        requests = operator_requests(operator, mark)
+        assert requests
+        assert not refused(requests), refused(requests)
+        outside = sorted(
+            {
+                (e["verb"], e["requestURI"])
+                for e in requests
+                if e["objectRef"].get("namespace") not in (namespace, OPERATOR_NS)
+            }
+        )
+        assert not outside, f"requests outside the watched namespaces: {outside}"
+    finally:
+        # The cluster-wide install again (the same field manager: the overlay's env goes), then
+        # its pods lead (a rollout only if the overlay's Deployment was applied).
+        during = operator_pods(operator)
+        switched = "KVSCALE_WATCH_NAMESPACES" in json.dumps(deployment(operator).to_dict())
+        operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests"))
+        if switched:
+            wait_for_new_leader(operator, during)
+    assert "KVSCALE_WATCH_NAMESPACES" not in json.dumps(deployment(operator).to_dict())
+
+
+def deployment(cluster):
+    return client.AppsV1Api(cluster.api).read_namespaced_deployment(OPERATOR, OPERATOR_NS)
+
+
+def can_i(cluster, user: str, verb: str, resource: str, ns: str, subresource: str = "") -> bool:
+    extra = [f"--subresource={subresource}"] if subresource else []
+    answer = cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", ns, "--as", user, check=False)
+    return answer.stdout.strip() == "yes"
+
+
+def test_namespace_editors_manage_and_viewers_read_inferencedeployments(operator, namespace):  # noqa: F811
+    """manifests/user-roles.yaml, aggregated into the built-in edit and view ClusterRoles: a user
+    bound to `edit` in a namespace manages InferenceDeployments there, one bound to `view` reads
+    them; neither writes status, and neither has rights in another namespace."""
+    rbac = client.RbacAuthorizationV1Api(operator.api)
+    if not rbac.read_cluster_role("edit").rules:
+        pytest.skip(
+            "the built-in edit role has no rules: the control plane runs no "
+            "clusterrole-aggregation-controller (e2e/controlplane/main.go, controllers)"
+        )
+    resource = "inferencedeployments.kvscale.dev"
+    wait_for(
+        lambda: any(
+            resource.split(".")[0] in (r.resources or []) for r in rbac.read_cluster_role("view").rules
+        ),
+        timeout=30,
+        what="the aggregation of kvscale-inferencedeployments-view into view",
+    )
+    for user, role in (("e2e-editor", "edit"), ("e2e-viewer", "view")):
+        operator.kubectl(
+            "create",
+            "rolebinding",
+            f"{user}-{role}",
+            f"--clusterrole={role}",
+            f"--user={user}",
+            "-n",
+            namespace,
+        )
+    editor = {
+        v: can_i(operator, "e2e-editor", v, resource, namespace) for v in ("create", "patch", "delete", "get")
+    }
+    assert all(editor.values()), editor
+    assert can_i(operator, "e2e-editor", "update", resource, namespace, "scale")
+    assert can_i(operator, "e2e-viewer", "list", resource, namespace)
+    assert can_i(operator, "e2e-viewer", "watch", resource, namespace)
+    assert not can_i(operator, "e2e-viewer", "create", resource, namespace)
+    assert not can_i(operator, "e2e-editor", "patch", resource, namespace, "status")
+    assert not can_i(operator, "e2e-editor", "get", resource, OPERATOR_NS)

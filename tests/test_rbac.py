@@ -1,0 +1,361 @@
+"""RBAC and the install modes, on the manifests themselves: the operator's roles grant every API
+call its code makes (found in the source, so a new call without a grant fails here) and what
+the OwnerReferencesPermissionEnforcement admission plugin asks for; the namespaced install has
+the same rights as Roles, in exactly the namespaces the operator is told to watch; the
+aggregated user roles aggregate. e2e/test_operator.py checks the cluster-wide grants against
+the API server's audit log."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import kopf
+import pytest
+import yaml
+
+import kvscale.operator.autoscaler  # noqa: F401 (registers its handler)
+from kvscale.operator import handlers, main
+from kvscale.operator.children import Owner, children
+from kvscale.operator.models import GROUP, PLURAL, InferenceDeploymentSpec
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
+SA = {"kind": "ServiceAccount", "name": "kvscale-operator", "namespace": "kvscale-system"}
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
+
+# Every Kubernetes client method the operator's code calls: (API group, resource, verb, scope).
+# "cluster": a request across namespaces (only a ClusterRole allows it); "namespaced": in the
+# resource's namespace; "lease": in the operator's own namespace.
+API_CALLS = {
+    "get_namespaced_custom_object": (GROUP, PLURAL, "get", "namespaced"),
+    "list_cluster_custom_object": (GROUP, PLURAL, "list", "cluster"),
+    "list_namespaced_custom_object": (GROUP, PLURAL, "list", "namespaced"),
+    "patch_namespaced_custom_object_status": (GROUP, f"{PLURAL}/status", "patch", "namespaced"),
+    "read_namespaced_deployment": ("apps", "deployments", "get", "namespaced"),
+    "patch_namespaced_deployment": ("apps", "deployments", "patch", "namespaced"),
+    "list_deployment_for_all_namespaces": ("apps", "deployments", "list", "cluster"),
+    "list_namespaced_deployment": ("apps", "deployments", "list", "namespaced"),
+    "patch_namespaced_deployment_scale": ("apps", "deployments/scale", "patch", "namespaced"),
+    "read_namespaced_service": ("", "services", "get", "namespaced"),
+    "patch_namespaced_service": ("", "services", "patch", "namespaced"),
+    "list_service_for_all_namespaces": ("", "services", "list", "cluster"),
+    "list_namespaced_service": ("", "services", "list", "namespaced"),
+    "read_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "get", "namespaced"),
+    "patch_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "patch", "namespaced"),
+    "list_pod_disruption_budget_for_all_namespaces": ("policy", "poddisruptionbudgets", "list", "cluster"),
+    "list_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "list", "namespaced"),
+    "list_namespaced_pod": ("", "pods", "list", "namespaced"),
+    "patch_namespaced_pod": ("", "pods", "patch", "namespaced"),
+    "create_namespaced_event": ("", "events", "create", "namespaced"),
+    "read_namespaced_lease": ("coordination.k8s.io", "leases", "get", "lease"),
+    "create_namespaced_lease": ("coordination.k8s.io", "leases", "create", "lease"),
+    "replace_namespaced_lease": ("coordination.k8s.io", "leases", "update", "lease"),
+}
+CLIENT_CALL = re.compile(
+    r"\.((?:read|patch|list|create|replace|get|delete|update|watch)_"
+    r"(?:namespaced_\w+|cluster_\w+|\w+_for_all_namespaces))\b"
+)
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def grants(role: dict) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def bound_roles(objects: list[dict]) -> dict[tuple[str, str | None], dict]:
+    """The roles bound to the operator's ServiceAccount, by (name, namespace: None for a
+    ClusterRole), each as its rules' grants and where they apply."""
+    roles = {
+        (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")): o
+        for o in objects
+        if o["kind"] in ("Role", "ClusterRole")
+    }
+    bound = {}
+    for b in objects:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        subjects = [{k: s.get(k) for k in SA} for s in b["subjects"]]
+        if SA not in subjects:
+            continue
+        ns = b["metadata"].get("namespace")  # a RoleBinding grants in its namespace only
+        role_ns = ns if b["roleRef"]["kind"] == "Role" else None
+        role = roles[(b["roleRef"]["kind"], b["roleRef"]["name"], role_ns)]
+        bound[(role["metadata"]["name"], ns)] = role
+    return bound
+
+
+def operator_calls() -> dict[str, list[str]]:
+    """Client method -> the operator source files that call it."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((REPO / "operator").glob("*.py")):
+        for name in CLIENT_CALL.findall(path.read_text()):
+            found.setdefault(name, []).append(path.name)
+    return found
+
+
+def kopf_requests(clusterwide: bool) -> set[tuple[str, str, str]]:
+    """What kopf itself sends for the handlers registered: a list and a watch of each resource
+    it serves, its status bookkeeping (status.kopf, a patch of the status subresource), Events;
+    cluster-wide, also its CRD observer (off in the namespaced install, main._namespaced_settings)."""
+    registry = kopf.get_default_registry()
+    served = {
+        (h.selector.group or "", h.selector.plural or h.selector.any_name)
+        for reg in (registry._watching, registry._changing, registry._spawning, registry._indexing)
+        for h in reg.get_all_handlers()
+    }
+    assert not registry._spawning.get_all_handlers(), "a daemon or timer: kopf adds finalizers for it"
+    sent = {(g, r, v) for g, r in served for v in ("list", "watch")}
+    sent |= {(GROUP, f"{PLURAL}/status", "patch"), ("", "events", "create")}
+    if clusterwide:
+        sent |= {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    return sent
+
+
+def admission_checks() -> set[tuple[str, str, str]]:
+    """What OwnerReferencesPermissionEnforcement asks the authorizer for our children's writes
+    (kubernetes plugin/pkg/admission/gc): `update` on the owner's `finalizers` subresource for
+    an ownerReference with blockOwnerDeletion, and `delete` on the child itself for a write that
+    changes an existing child's ownerReferences (adopting an orphan)."""
+    spec = InferenceDeploymentSpec.model_validate({"model": {"uri": "/models/tiny"}})
+    plurals = {"Deployment": ("apps", "deployments"), "Service": ("", "services")}
+    plurals["PodDisruptionBudget"] = ("policy", "poddisruptionbudgets")
+    checks = set()
+    for child in children(Owner("tiny", "ns", "uid-1"), spec, "worker:1"):
+        checks.add((*plurals[child["kind"]], "delete"))
+        for ref in child["metadata"]["ownerReferences"]:
+            if ref.get("blockOwnerDeletion"):
+                assert ref["apiVersion"].split("/")[0] == GROUP and ref["kind"] == "InferenceDeployment"
+                checks.add((GROUP, f"{PLURAL}/finalizers", "update"))
+    return checks
+
+
+def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
+    """By scope ('cluster', 'namespaced', 'lease'), what the operator needs granted."""
+    out: dict[str, set[tuple[str, str, str]]] = {"cluster": set(), "namespaced": set(), "lease": set()}
+    for name in operator_calls():
+        group, resource, verb, scope = API_CALLS[name]
+        if scope == "cluster" and not clusterwide:
+            continue  # handlers.list_resources / list_children list per namespace instead
+        out[scope].add((group, resource, verb))
+        if verb == "patch" and resource in ("deployments", "services", "poddisruptionbudgets"):
+            out[scope].add((group, resource, "create"))  # a server-side apply that creates
+    for g in kopf_requests(clusterwide):
+        out["cluster" if clusterwide else "namespaced"].add(g)
+    out["namespaced"] |= admission_checks()
+    return out
+
+
+def test_every_client_call_of_the_operator_is_known_here():
+    calls = operator_calls()
+    unknown = {name: files for name, files in calls.items() if name not in API_CALLS}
+    assert not unknown, f"add these API calls to API_CALLS (and grant them in manifests/): {unknown}"
+    assert "patch_namespaced_custom_object_status" in calls and "replace_namespaced_lease" in calls
+
+
+def test_the_cluster_role_grants_what_blockOwnerDeletion_needs_under_the_admission_plugin():
+    role = next(d for d in docs(MANIFESTS / "rbac.yaml") if d["kind"] == "ClusterRole")
+    assert (GROUP, f"{PLURAL}/finalizers", "update") in grants(role)
+    assert admission_checks() <= grants(role)
+
+
+def test_the_cluster_wide_install_grants_everything_the_operator_sends():
+    roles = bound_roles(docs(MANIFESTS / "rbac.yaml") + docs(MANIFESTS / "base" / "leader.yaml"))
+    cluster = grants(roles[("kvscale-operator", None)])
+    leader = grants(roles[("kvscale-operator-leader", "kvscale-system")])
+    need = needed(clusterwide=True)
+    assert need["cluster"] | need["namespaced"] <= cluster, (need["cluster"] | need["namespaced"]) - cluster
+    assert need["lease"] <= leader
+    # Nothing beyond it (the audit log in e2e checks what is sent; this checks what is known).
+    assert cluster <= need["cluster"] | need["namespaced"], cluster - need["cluster"] - need["namespaced"]
+
+
+def namespaced_overlay() -> tuple[list[dict], tuple[str, ...]]:
+    """manifests/namespaced/: its objects (the base's, plus rbac.yaml) and the namespaces its
+    Deployment patch tells the operator to watch."""
+    overlay = yaml.safe_load((MANIFESTS / "namespaced" / "kustomization.yaml").read_text())
+    objects = [
+        o for f in overlay["resources"] if f.endswith(".yaml") for o in docs(MANIFESTS / "namespaced" / f)
+    ]
+    env = [
+        op["value"]
+        for p in overlay["patches"]
+        if p.get("target", {}).get("kind") == "Deployment"
+        for op in yaml.safe_load(p["patch"])
+        if op["path"].endswith("/env/-")
+    ]
+    (watch,) = [e["value"] for e in env if e["name"] == "KVSCALE_WATCH_NAMESPACES"]
+    return objects, main.watch_namespaces(None, watch)
+
+
+def test_the_namespaced_install_has_the_cluster_roles_rules_as_roles_in_every_watched_namespace():
+    objects, watched = namespaced_overlay()
+    assert watched
+    assert not [o for o in objects if o["kind"].startswith("Cluster")]
+    roles = bound_roles(objects + docs(MANIFESTS / "base" / "leader.yaml"))
+    need = needed(clusterwide=False)
+    cluster_role = next(d for d in docs(MANIFESTS / "rbac.yaml") if d["kind"] == "ClusterRole")
+    same = {g for g in grants(cluster_role) if (g[0], g[1]) not in CLUSTER_SCOPED}
+    for namespace in watched:
+        role = grants(roles[("kvscale-operator", namespace)])
+        assert need["namespaced"] <= role, need["namespaced"] - role
+        assert role == same, role ^ same  # the two modes grant the same per namespace
+    assert {ns for _, ns in roles} == {*watched, "kvscale-system"}
+    assert need["cluster"] == set()
+    assert need["lease"] <= grants(roles[("kvscale-operator-leader", "kvscale-system")])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="renders the kustomizations with kubectl")
+def test_both_kustomizations_render_and_differ_only_in_the_operators_rights():
+    def render(path: Path) -> dict:
+        out = subprocess.run(["kubectl", "kustomize", str(path)], check=True, capture_output=True, text=True)
+        return {
+            (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")): o for o in docs_of(out.stdout)
+        }
+
+    def docs_of(text: str) -> list[dict]:
+        return [d for d in yaml.safe_load_all(text) if d]
+
+    cluster, namespaced = render(MANIFESTS), render(MANIFESTS / "namespaced")
+    assert not [k for k in namespaced if k[0].startswith("Cluster")]
+    assert {k for k in cluster if k[0].startswith("Cluster")} == {
+        ("ClusterRole", "kvscale-operator", None),
+        ("ClusterRoleBinding", "kvscale-operator", None),
+        ("ClusterRole", "kvscale-inferencedeployments-edit", None),
+        ("ClusterRole", "kvscale-inferencedeployments-view", None),
+    }
+    deployment = ("Deployment", "kvscale-operator", "kvscale-system")
+    env = {
+        e["name"]: e.get("value")
+        for e in namespaced[deployment]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    watched = main.watch_namespaces(None, env["KVSCALE_WATCH_NAMESPACES"])
+    assert {k[2] for k in namespaced if k[0] == "Role"} == {*watched, "kvscale-system"}
+    assert "KVSCALE_WATCH_NAMESPACES" not in json.dumps(cluster[deployment])
+    shared = {k for k in cluster if not k[0].startswith("Cluster")}
+    assert shared <= set(namespaced)
+    for key in shared - {deployment}:
+        assert cluster[key] == namespaced[key], key
+
+
+def test_users_with_edit_manage_and_with_view_read_inferencedeployments():
+    roles = {d["metadata"]["name"]: d for d in docs(MANIFESTS / "user-roles.yaml")}
+    edit, view = roles["kvscale-inferencedeployments-edit"], roles["kvscale-inferencedeployments-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    # view aggregates into edit (and edit into admin); the edit role reads on its own too.
+    editor = grants(edit)
+    assert {(g, r, v) for g, r, v in grants(view)} <= editor
+    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+        assert (GROUP, PLURAL, verb) in editor
+    assert {(GROUP, f"{PLURAL}/scale", v) for v in ("get", "update", "patch")} <= editor  # kubectl scale
+    assert {v for g, r, v in grants(view)} == {"get", "list", "watch"}
+    # Status and finalizers are the operator's: no user role writes them.
+    assert not {
+        g
+        for g in editor
+        if g[1] in (f"{PLURAL}/status", f"{PLURAL}/finalizers") and g[2] not in ("get", "list", "watch")
+    }
+    assert "kvscale-operator" not in json.dumps([r["rules"] for r in roles.values()])
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        (None, None, ()),
+        (None, "", ()),
+        (None, "team-a, team-b,,team-a", ("team-a", "team-b")),
+        (["team-a", "team-b,team-c"], "ignored", ("team-a", "team-b", "team-c")),
+    ],
+)
+def test_watch_namespaces_from_flags_or_env(flags, env, expected):
+    assert main.watch_namespaces(flags, env) == expected
+
+
+@pytest.mark.parametrize("bad", ["Team", "team_a", "team-*", "-a", "a" * 64])
+def test_watch_namespaces_refuses_what_cannot_be_a_namespace(bad):
+    with pytest.raises(ValueError, match="not a namespace name"):
+        main.watch_namespaces([bad], None)
+
+
+def test_kopf_scope_and_settings_of_the_namespaced_mode():
+    assert main.kopf_scope(()) == {"clusterwide": True}
+    assert main.kopf_scope(("a", "b")) == {"namespaces": ["a", "b"]}
+    settings = kopf.OperatorSettings()
+    assert not settings.scanning.disabled
+    main._namespaced_settings(settings)
+    assert settings.scanning.disabled  # no cluster-wide LIST/WATCH of Namespaces or CRDs
+
+
+def test_run_parses_the_watch_namespaces_from_the_flag_and_the_env(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(main, "cmd_run", lambda args: seen.setdefault("ns", args.watch_namespaces) and 0)
+    monkeypatch.setenv("KVSCALE_WATCH_NAMESPACES", "from-env")
+    main.main(["run", "--health-port", "0"])
+    assert seen.pop("ns") == ("from-env",)
+    main.main(["run", "--watch-namespace", "a", "--watch-namespace", "b"])
+    assert seen.pop("ns") == ("a", "b")
+    with pytest.raises(SystemExit):
+        main.main(["run", "--watch-namespace", "Not_A_Namespace"])
+
+
+class Recorder:
+    """Stands in for the typed and the custom-objects clients: records each call, answers an
+    empty list (or, for the typed clients, a response whose .data is one)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls.append((name, args))
+            body = {"items": [{"metadata": {"name": name}}]}
+            return body if "custom_object" in name else SimpleNamespace(data=json.dumps(body))
+
+        return call
+
+
+@pytest.mark.parametrize("namespaces", [(), ("team-a", "team-b")])
+def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces):
+    recorder = Recorder()
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    monkeypatch.setattr(handlers.client, "CustomObjectsApi", lambda _: recorder)
+    for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api"):
+        monkeypatch.setattr(handlers.client, typed, lambda _: recorder)
+    monkeypatch.setattr(handlers, "watch_namespaces", namespaces)
+    resources = handlers.list_resources()
+    for kind in handlers.CHILD_KINDS:
+        handlers.list_children(kind)
+    names = [name for name, _ in recorder.calls]
+    if not namespaces:
+        assert names == [
+            "list_cluster_custom_object",
+            "list_deployment_for_all_namespaces",
+            "list_service_for_all_namespaces",
+            "list_pod_disruption_budget_for_all_namespaces",
+        ]
+        return
+    assert all(API_CALLS[n][3] == "namespaced" for n in names), names
+    # The namespace: the third argument of a custom-objects call, the first of a typed one.
+    listed = [(name, args[2] if "custom_object" in name else args[0]) for name, args in recorder.calls]
+    assert [ns for _, ns in listed if _ == "list_namespaced_custom_object"] == ["team-a", "team-b"]
+    assert len(resources) == 2  # both namespaces' items
+    for method in (
+        "list_namespaced_deployment",
+        "list_namespaced_service",
+        "list_namespaced_pod_disruption_budget",
+    ):
+        assert [ns for n, ns in listed if n == method] == ["team-a", "team-b"]
