@@ -177,11 +177,11 @@ def test_the_namespaced_install_serves_its_namespace_with_no_cluster_wide_right(
         # The cluster-wide install again (the same field manager: the overlay's env goes), then
         # its pods lead (a rollout only if the overlay's Deployment was applied).
         during = operator_pods(operator)
-        switched = "KVSCALE_WATCH_NAMESPACES" in json.dumps(deployment(operator).to_dict())
+        switched = "KVSCALE_WATCH_NAMESPACES" in json.dumps(deployment(operator).to_dict(), default=str)
         operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests"))
         if switched:
             wait_for_new_leader(operator, during)
-    assert "KVSCALE_WATCH_NAMESPACES" not in json.dumps(deployment(operator).to_dict())
+    assert "KVSCALE_WATCH_NAMESPACES" not in json.dumps(deployment(operator).to_dict(), default=str)
 
 
 def deployment(cluster):
