@@ -127,6 +127,9 @@ def build(rt: Runtimes, log=print) -> Built:
             raise RuntimeError(f"docker build --target {target} failed:\n{result.stderr[-6000:]}")
         built.seconds[target] = time.monotonic() - started
         built.images[target] = tag
+        # The image this tag named before is dangling now; its unshared layers (GBs for the
+        # worker) would stay on disk run after run. BuildKit's cache keeps what rebuilds need.
+        rt.docker("image", "prune", "--force", capture=True)
         size = rt.docker("image", "inspect", "--format", "{{.Size}}", tag, capture=True, check=True)
         built.sizes[tag] = int(size.stdout.strip())
         log(f"built {tag} in {built.seconds[target]:.0f}s ({built.sizes[tag] / 1e9:.2f} GB)")

@@ -229,6 +229,11 @@ class Runtimes:
                 cni_conf=self.cni_conf,
             )
         )
+        # An import cut short (a killed run) leaves its partial blob in the content store's ingest
+        # folder, where containerd 1.6 keeps it for a day: a 6 GB worker image each time. Nothing
+        # writes there before containerd starts (a run first tears down what an earlier one left).
+        ingest = ROOT_DIR / "containerd" / "io.containerd.content.v1.content" / "ingest"
+        shutil.rmtree(ingest, ignore_errors=True)
         # containerd mounts the snapshots of running containers under its state directory.
         self.ledger.add(kind="mount", path=str(RUN_DIR / "containerd"))
         proc = spawn(self.ledger, "containerd", ["containerd", "--config", str(config)], self.log_dir)
