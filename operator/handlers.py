@@ -57,7 +57,7 @@ from kvscale.operator.heal import (
     permanent,
     rejected,
 )
-from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
+from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec, name_problem
 from kvscale.operator.status import compute_status, status_apply, status_changed
 
 logger = logging.getLogger(__name__)
@@ -276,6 +276,9 @@ def sync(
         except ValidationError as e:  # the schema admits it, the models do not (e.g. an older CRD)
             first = e.errors()[0]
             error = ("InvalidSpec", f"invalid spec: {first['msg']} at {'.'.join(map(str, first['loc']))}")
+        bad_name = name_problem(name)  # the same: the CRD's rule on metadata.name is newer
+        if bad_name is not None:
+            spec, error = None, ("InvalidSpec", f"invalid name: {bad_name}")
         if spec is not None:
             refused = None if apply_all else rejected(previous, generation)
             if refused is not None:  # permanent until the spec changes: no write, no new event

@@ -172,6 +172,12 @@ def compute_status(
         readiness = (False, "ScaledToZero", "no workers are wanted")
     elif settled:
         readiness = (True, "AllWorkersReady", f"{ready}/{want} workers ready")
+    elif ready >= want:  # enough ready workers, but some run an old spec or the rollout is on
+        readiness = (
+            False,
+            "RollingOut",
+            f"rolling out: {ready} workers ready ({want} wanted), {updated} on the current spec",
+        )
     elif ready > 0:
         readiness = (False, "PartiallyReady", f"{ready}/{want} workers ready")
     else:

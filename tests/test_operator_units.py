@@ -231,6 +231,17 @@ def test_status_follows_the_deployment_and_keeps_transition_times():
     cond = {c["type"]: c for c in rolling["conditions"]}
     assert cond["Progressing"]["reason"] == "RollingOut" and cond["Ready"]["reason"] == "PartiallyReady"
     assert cond["Ready"]["lastTransitionTime"] == "t0"  # still False: no transition
+    # All wanted workers ready, but one still on the old spec: not "PartiallyReady 2/2".
+    surged = compute_status(
+        **common,
+        desired=2,
+        deployment=deployment_status(2, 3, 1, 3),
+        previous_conditions=rolling["conditions"],
+        now="t1",
+    )
+    cond = {c["type"]: c for c in surged["conditions"]}
+    assert cond["Ready"]["status"] == "False" and cond["Ready"]["reason"] == "RollingOut"
+    assert cond["Ready"]["message"] == "rolling out: 3 workers ready (2 wanted), 1 on the current spec"
     done = compute_status(
         **common,
         desired=2,

@@ -387,6 +387,19 @@ def test_a_refused_apply_is_reported_once_and_not_retried_until_the_spec_changes
     assert degraded["status"] == "False"
 
 
+def test_a_name_no_label_can_hold_is_refused_once_without_children(cluster):
+    """Stored under an older CRD (before the name rule), such a name must not reach the children:
+    their labels would be refused on every try."""
+    name = "n" * 64
+    cluster.resource["metadata"]["name"] = name
+    handlers.reconcile(meta={"name": name, "namespace": "ns"}, retry=0)
+    assert cluster.objects == {}
+    assert degraded(cluster)["reason"] == "InvalidSpec" and "invalid name" in degraded(cluster)["message"]
+    handlers.sync_or_retry("ns", name)
+    assert [c for c in cluster.writes() if c[1] != f"status/{MANAGER}"] == []
+    assert len([e for e in cluster.events if e[0] == "warn"]) == 1
+
+
 def test_a_5xx_is_retried_with_backoff(cluster):
     cluster.refuse["Service"] = 503
     with pytest.raises(kopf.TemporaryError) as raised:
