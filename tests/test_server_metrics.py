@@ -168,6 +168,24 @@ def test_names_follow_prometheus_conventions():
     assert not [n for n in ours if re.search("perc", n)]
 
 
+def test_cache_config_and_lora_info_gauges_are_what_the_inference_gateway_reads():
+    """The Gateway API inference extension's picker reads the pool's size and block size from
+    `vllm:cache_config_info`'s labels, and LoRA affinity from `vllm:lora_requests_info`."""
+    metrics = EngineMetrics(MODEL)
+    before = time.time()
+    metrics.cache_config(block_size=16, num_blocks=512, enable_prefix_caching=True)
+    found = {f.name: f for f in families(metrics)}
+    (config,) = found["vllm:cache_config_info"].samples
+    assert config.value == 1 and config.labels == {
+        "block_size": "16",
+        "num_gpu_blocks": "512",
+        "enable_prefix_caching": "True",
+    }
+    (lora,) = found["vllm:lora_requests_info"].samples
+    assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert before <= lora.value <= time.time()  # when it was last updated, as vLLM exports it
+
+
 def test_labelled_series_exist_before_their_first_event():
     """rate() and increase() only see an increment from a series that already existed at zero."""
     samples = scrape(EngineMetrics(MODEL))
@@ -402,6 +420,8 @@ def test_prometheus_scrapes_the_worker_under_load(target_model, tmp_path):
             assert generated[max(generated)] == sum(received)
             (preemptions,) = prometheus.query('kvscale_preemptions_total{job="kvscale"}')
             assert float(preemptions["value"][1]) > 0
+            (config,) = prometheus.query('vllm:cache_config_info{job="kvscale"}')
+            assert config["metric"]["num_gpu_blocks"] == "64" and config["metric"]["block_size"] == "16"
 
             # Every dashboard query is valid PromQL with series to draw (NaN for speculative decoding,
             # which this worker does not run; its per-position series appear once it does).

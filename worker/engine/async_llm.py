@@ -98,6 +98,11 @@ class AsyncLLM:
             name_native_thread(ENGINE_THREAD)
             try:
                 self.engine = LLMEngine(self.args)
+                self.metrics.cache_config(
+                    self.args.block_size,
+                    self.engine.kv_cache_manager.num_blocks,
+                    self.args.enable_prefix_caching,
+                )
                 self._publish_metrics()
             except BaseException as e:
                 loop.call_soon_threadsafe(loaded.set_exception, e)

@@ -175,6 +175,31 @@ class EngineMetrics:
         for reason in REJECT_REASONS:
             self.rejected.child(reason=reason)
 
+    def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """vLLM's info gauges, set once the KV pool is sized: the Gateway API inference extension's
+        endpoint picker reads the block size and pool size (`vllm:cache_config_info`) and, for
+        LoRA affinity, `vllm:lora_requests_info` (value: when it was last updated; this engine
+        serves no adapters, so max_lora is 0 and both lists are empty)."""
+        labels = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching),
+        }
+        with self._lock:
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the KV-cache config.",
+                list(labels),
+                registry=self.registry,
+            ).labels(**labels).set(1)
+            lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests.",
+                list(lora),
+                registry=self.registry,
+            ).labels(**lora).set_to_current_time()
+
     def render(self) -> bytes:
         """The Prometheus text exposition, consistent with whole `record` calls."""
         with self._lock:
