@@ -1,0 +1,182 @@
+"""`kvscale-worker download`: the real huggingface_hub client against the Hub stand-in
+(tests/hub_standin.py) serving the fixture model. A snapshot is the folder byte for byte, a
+revision pin holds, each failure gives its one-line reason in the termination log and a non-zero
+exit, and a complete snapshot is not fetched again."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from hub_standin import HubStandIn, Repo, serving
+from model_fixtures import DRAFT
+
+from kvscale.worker.cli import main as cli
+from kvscale.worker.model.download import MARKER, parse_uri
+
+TOKEN = "hf_standin_token"
+pytestmark = pytest.mark.skipif(not DRAFT.is_dir(), reason="needs ../shared/models/tiny-code-draft")
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """A model folder's files, without huggingface_hub's metadata and our marker."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in folder.rglob("*")
+        if p.is_file() and ".cache" not in p.relative_to(folder).parts and p.name != MARKER
+    }
+
+
+@pytest.fixture
+def revisions(tmp_path) -> dict[str, Path]:
+    """Two revisions of one model: v1 is the fixture folder, main adds a file and changes one."""
+    v1 = DRAFT
+    main = tmp_path / "main-src"
+    shutil.copytree(DRAFT, main)
+    for p in main.iterdir():
+        p.chmod(0o644)
+    (main / "README.md").write_text("# tiny\nthe newer revision\n")
+    (main / "generation_config.json").write_text('{"max_new_tokens": 8}\n')
+    return {"main": main, "v1": v1}
+
+
+@pytest.fixture
+def hub(revisions, monkeypatch, tmp_path):
+    standin = HubStandIn({"kvscale/tiny": Repo(revisions)}, token=TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with serving(standin) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        yield standin
+
+
+def download(uri: str, dest: Path, termination_log: Path) -> int:
+    return cli(
+        [
+            "--log-format",
+            "text",
+            "download",
+            uri,
+            "--dest",
+            str(dest),
+            "--termination-log",
+            str(termination_log),
+        ]
+    )
+
+
+def test_a_snapshot_is_the_model_folder_byte_for_byte(hub, revisions, tmp_path):
+    dest, log = tmp_path / "model", tmp_path / "termination-log"
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert files_of(dest) == files_of(revisions["main"])
+    assert not log.exists()
+    assert any(p.startswith("/cdn/") for p in hub.file_gets())  # the safetensors went the LFS way
+
+
+def test_a_revision_pin_gets_that_revision(hub, revisions, tmp_path):
+    sha = hub.repos["kvscale/tiny"].heads["v1"]
+    for uri in (f"hf://kvscale/tiny@{sha}", "hf://kvscale/tiny@v1"):
+        dest = tmp_path / uri.rpartition("@")[2]
+        assert download(uri, dest, tmp_path / "log") == 0
+        assert files_of(dest) == files_of(revisions["v1"]) != files_of(revisions["main"])
+
+
+@pytest.mark.parametrize(
+    ("uri", "token", "reason"),
+    [
+        (
+            "hf://kvscale/tiny",
+            "hf_wrong",
+            "the Hub refused the token for kvscale/tiny (401): check the Secret in model.hfTokenSecret",
+        ),
+        ("hf://kvscale/tiny", None, "the Hub refused access to kvscale/tiny without a token (401)"),
+        ("hf://kvscale/tiny@nope", TOKEN, "revision 'nope' not found in kvscale/tiny"),
+        ("hf://kvscale/nope", TOKEN, "repository kvscale/nope not found"),
+        ("hf://kvscale", TOKEN, "not a Hugging Face model URI"),
+    ],
+)
+def test_each_failure_says_why_in_the_termination_log_and_exits_non_zero(
+    hub, monkeypatch, tmp_path, uri, token, reason
+):
+    if token is None:
+        monkeypatch.delenv("HF_TOKEN")
+    else:
+        monkeypatch.setenv("HF_TOKEN", token)
+    log = tmp_path / "termination-log"
+    assert download(uri, tmp_path / "model", log) == 1
+    message = log.read_text()
+    assert reason in message and message.count("\n") == 1, message
+    assert not hub.file_gets()
+
+
+def test_an_unreachable_hub_says_so(monkeypatch, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    log = tmp_path / "termination-log"
+    assert download("hf://kvscale/tiny", tmp_path / "model", log) == 1
+    assert f"cannot reach the Hub at http://127.0.0.1:{port} for kvscale/tiny" in log.read_text()
+
+
+def test_a_complete_snapshot_is_not_fetched_again(hub, revisions, tmp_path, monkeypatch):
+    dest, log = tmp_path / "model", tmp_path / "log"
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    fetched = len(hub.file_gets())
+    assert fetched == len(files_of(revisions["main"]))
+
+    hub.requests.clear()  # a branch: one revision lookup, no file
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert hub.file_gets() == [] and [p for _, p in hub.requests] == [
+        "/api/models/kvscale/tiny/revision/main"
+    ]
+
+    sha = hub.repos["kvscale/tiny"].heads["main"]  # a commit hash: no request at all
+    hub.requests.clear()
+    assert download(f"hf://kvscale/tiny@{sha}", dest, log) == 0
+    assert hub.requests == []
+
+    # The Hub gone: the complete snapshot of the branch serves as it is.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert files_of(dest) == files_of(revisions["main"])
+
+
+def test_an_interrupted_download_is_completed_not_trusted(hub, revisions, tmp_path):
+    dest, log = tmp_path / "model", tmp_path / "log"
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    (dest / MARKER).unlink()  # as if the pod died before the end
+    (dest / "tokenizer.json").unlink()
+    hub.requests.clear()
+    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert files_of(dest) == files_of(revisions["main"])
+    assert [p.rpartition("/")[2] for p in hub.file_gets()] == ["tokenizer.json"]
+
+
+@pytest.mark.parametrize(
+    ("uri", "repo", "revision"),
+    [
+        ("hf://kvscale/tiny", "kvscale/tiny", "main"),
+        ("hf://Org_1/Model.v2-x@refs/pr/1", "Org_1/Model.v2-x", "refs/pr/1"),
+        (
+            "hf://a/b@0123456789abcdef0123456789abcdef01234567",
+            "a/b",
+            "0123456789abcdef0123456789abcdef01234567",
+        ),
+    ],
+)
+def test_uris_parse(uri, repo, revision):
+    model = parse_uri(uri)
+    assert (model.repo, model.revision) == (repo, revision)
+
+
+@pytest.mark.parametrize(
+    "uri", ["hf://", "hf://onlyorg", "hf://a/b@", "hf://a/b/c", "hf://a/b@x..y", "hf://-a/b"]
+)
+def test_bad_uris_are_refused(uri):
+    with pytest.raises(ValueError, match="not a Hugging Face model URI"):
+        parse_uri(uri)
