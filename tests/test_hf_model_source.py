@@ -1,0 +1,178 @@
+"""hf:// model sources in the operator: the CRD and the models refuse malformed URIs with a
+readable message, and the pod template downloads the snapshot in an init container into a volume
+the worker then loads from (an emptyDir by default, a named PVC cache when given)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from test_operator_specs import crd_errors, resource, spec_of
+
+from kvscale.operator.children import Owner, deployment
+from kvscale.operator.models import InferenceDeploymentSpec
+
+HF_MESSAGE = "hf:// needs a Hugging Face repository"
+OWNER = Owner("tiny", "ns", "uid-1")
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "hf://",
+        "hf://onlyorg",
+        "hf://a/b@",
+        "hf://a/b/c",
+        "hf://-a/b",
+        "hf://a./b",
+        "hf://a/b@x..y",
+        "hf://a--b/c",
+        "hf://a/b@@main",
+        "hf://a/b@main/",
+    ],
+)
+def test_malformed_hf_uris_are_refused_by_the_crd_and_the_models(uri):
+    for spec in (
+        spec_of(model={"uri": uri}),
+        spec_of(speculative={"method": "draft", "draftModelUri": uri}),
+    ):
+        errors = crd_errors(resource(spec))
+        assert any(HF_MESSAGE in e for e in errors) or any("'..' path" in e for e in errors), errors
+        with pytest.raises(ValidationError, match=r"hf:// needs|'\.\.' path"):
+            InferenceDeploymentSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        spec_of(model={"uri": "hf://kvscale/tiny"}),
+        spec_of(model={"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@main"}),
+        spec_of(model={"uri": "hf://Org_1/model.v2@refs/pr/3"}),
+        spec_of(model={"uri": "hf://a/b@0123456789abcdef0123456789abcdef01234567"}),
+        spec_of(
+            model={
+                "uri": "hf://kvscale/tiny@v1",
+                "hfTokenSecret": {"name": "hf-token"},
+                "hfEndpoint": "http://10.0.0.1:8080",
+                "cacheClaim": "hf-cache",
+                "cacheSize": "5Gi",
+            },
+            speculative={"method": "draft", "draftModelUri": "hf://kvscale/tiny-draft"},
+        ),
+    ],
+)
+def test_hf_uris_and_their_settings_are_accepted(spec):
+    assert crd_errors(resource(spec)) == []
+    InferenceDeploymentSpec.model_validate(spec)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"uri": "hf://a/b", "hfEndpoint": "huggingface.co"}, "hfEndpoint"),
+        ({"uri": "hf://a/b", "hfTokenSecret": {"name": "HF_Token"}}, "must be the name of a Secret"),
+        ({"uri": "hf://a/b", "hfTokenSecret": {"name": "t", "key": "a/b"}}, "hfTokenSecret.key"),
+        ({"uri": "hf://a/b", "cacheClaim": "Cache"}, "must be the name of a PersistentVolumeClaim"),
+        ({"uri": "hf://a/b", "cacheSize": "20GB"}, "must be a positive Kubernetes quantity"),
+    ],
+)
+def test_bad_hf_settings_are_refused(model, message):
+    errors = crd_errors(resource(spec_of(model=model)))
+    assert any(message in e for e in errors), errors
+    with pytest.raises(ValidationError):
+        InferenceDeploymentSpec.model_validate(spec_of(model=model))
+
+
+def pod_spec(**fields) -> dict:
+    spec = InferenceDeploymentSpec.model_validate(spec_of(**fields))
+    return deployment(OWNER, spec, "worker:1")["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict:
+    return {v["name"]: v.get("value", v.get("valueFrom")) for v in container["env"]}
+
+
+def test_an_hf_model_is_downloaded_by_an_init_container_into_an_emptydir_the_worker_loads():
+    spec = pod_spec(
+        model={
+            "uri": "hf://kvscale/tiny@v1",
+            "hfTokenSecret": {"name": "hf-token", "key": "token"},
+            "hfEndpoint": "http://10.0.0.1:8080",
+        }
+    )
+    (init,) = spec["initContainers"]
+    (worker,) = spec["containers"]
+    path = "/models/hf/kvscale/tiny/v1"
+    assert init["name"] == "model-download" and init["image"] == "worker:1"
+    assert init["command"] == ["kvscale-worker"]
+    assert init["args"] == ["--log-format", "text", "download", "hf://kvscale/tiny@v1", "--dest", path]
+    env = env_of(init)
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert env["HF_ENDPOINT"] == "http://10.0.0.1:8080"
+    assert env["HF_HUB_DISABLE_TELEMETRY"] == "1" and "HF_HUB_OFFLINE" not in env
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert init["resources"]["limits"] == worker["resources"]["limits"]  # the pod stays Guaranteed
+    assert {"name": "hf-models", "mountPath": "/models/hf"} in init["volumeMounts"]
+
+    args = worker["args"]
+    assert args[args.index("--model") + 1] == path
+    assert {"name": "hf-models", "mountPath": "/models/hf", "readOnly": True} in worker["volumeMounts"]
+    assert env_of(worker)["HF_HUB_OFFLINE"] == "1" and "HF_TOKEN" not in env_of(worker)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["hf-models"] == {"name": "hf-models", "emptyDir": {"sizeLimit": "20Gi"}}
+
+
+def test_a_named_claim_is_the_shared_cache_and_the_revision_defaults_to_main():
+    spec = pod_spec(model={"uri": "hf://kvscale/tiny", "cacheClaim": "hf-cache"})
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["hf-models"] == {"name": "hf-models", "persistentVolumeClaim": {"claimName": "hf-cache"}}
+    (init,) = spec["initContainers"]
+    assert init["args"][-1] == "/models/hf/kvscale/tiny/main"
+    assert "HF_TOKEN" not in env_of(init) and "HF_ENDPOINT" not in env_of(init)
+
+
+def test_a_revision_with_slashes_is_one_folder():
+    (init,) = pod_spec(model={"uri": "hf://kvscale/tiny@refs/pr/1"})["initContainers"]
+    assert init["args"][-1] == "/models/hf/kvscale/tiny/refs%2Fpr%2F1"
+
+
+def test_an_hf_draft_model_gets_its_own_init_container_on_the_same_volume():
+    spec = pod_spec(
+        model={"uri": "pvc://models/target", "hfTokenSecret": {"name": "hf-token"}},
+        speculative={"method": "draft", "draftModelUri": "hf://kvscale/tiny-draft@v2"},
+    )
+    (init,) = spec["initContainers"]
+    assert init["name"] == "draft-model-download"
+    assert env_of(init)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--draft-model") + 1] == "/models/hf/kvscale/tiny-draft/v2"
+    assert args[args.index("--model") + 1] == "/models/models/target"
+    assert [v["name"] for v in spec["volumes"]].count("hf-models") == 1
+
+    both = pod_spec(
+        model={"uri": "hf://kvscale/tiny"},
+        speculative={"method": "draft", "draftModelUri": "hf://kvscale/tiny-draft"},
+    )
+    assert [c["name"] for c in both["initContainers"]] == ["model-download", "draft-model-download"]
+
+
+def test_a_user_env_reaches_the_download_and_wins():
+    (init,) = pod_spec(
+        model={"uri": "hf://kvscale/tiny", "hfEndpoint": "https://mirror.example.com"},
+        env=[
+            {"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+            {"name": "HF_ENDPOINT", "value": "http://x"},
+        ],
+    )["initContainers"]
+    env = env_of(init)
+    assert env["HTTPS_PROXY"] == "http://proxy:3128" and env["HF_ENDPOINT"] == "http://x"
+    assert [v["name"] for v in init["env"]].count("HF_ENDPOINT") == 1
+
+
+@pytest.mark.parametrize(
+    "uri", ["/models/tiny", "file:///models/tiny", "pvc://models/tiny", "builtin://tiny-llama"]
+)
+def test_other_sources_have_no_init_container_and_no_download_volume(uri):
+    spec = pod_spec(model={"uri": uri, "hfTokenSecret": {"name": "hf-token"}})
+    assert "initContainers" not in spec
+    assert "hf-models" not in {v["name"] for v in spec["volumes"]}
