@@ -7,9 +7,18 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 from test_operator_specs import crd_errors, resource, spec_of
+from test_operator_units import deployment_status
 
+from kvscale.operator import handlers
 from kvscale.operator.children import Owner, deployment
 from kvscale.operator.models import InferenceDeploymentSpec
+from kvscale.operator.status import (
+    PodDownload,
+    compute_status,
+    download_condition,
+    pod_download,
+    status_changed,
+)
 
 HF_MESSAGE = "hf:// needs a Hugging Face repository"
 OWNER = Owner("tiny", "ns", "uid-1")
@@ -176,3 +185,151 @@ def test_other_sources_have_no_init_container_and_no_download_volume(uri):
     spec = pod_spec(model={"uri": uri, "hfTokenSecret": {"name": "hf-token"}})
     assert "initContainers" not in spec
     assert "hf-models" not in {v["name"] for v in spec["volumes"]}
+
+
+# --- status: the pods' downloads in the conditions -------------------------------------------
+
+TOKEN_REASON = "the Hub refused the token for kvscale/tiny (401): check the Secret in model.hfTokenSecret"
+
+
+def worker_pod(*init_statuses: dict, name: str = "tiny-abc", draft: bool = False) -> dict:
+    """A worker pod as the API server shows it, with the statuses of its download init containers."""
+    names = ["model-download", *(["draft-model-download"] if draft else [])]
+    return {
+        "metadata": {"name": name, "namespace": "ns", "labels": {"kvscale.dev/inference-deployment": "tiny"}},
+        "spec": {"initContainers": [{"name": n} for n in names], "containers": [{"name": "worker"}]},
+        "status": {
+            "initContainerStatuses": [{"name": n, **s} for n, s in zip(names, init_statuses, strict=False)]
+        },
+    }
+
+
+RUNNING = {"state": {"running": {"startedAt": "t"}}, "restartCount": 0}
+DONE = {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+FAILED = {"state": {"terminated": {"exitCode": 1, "reason": "Error", "message": TOKEN_REASON + "\n"}}}
+
+
+def crash_loop(restarts: int, running: bool = False) -> dict:
+    """The kubelet restarting a failed download: waiting in back-off, or running again."""
+    last = {"terminated": {"exitCode": 1, "reason": "Error", "message": TOKEN_REASON + "\n"}}
+    state = {"running": {"startedAt": "t"}} if running else {"waiting": {"reason": "CrashLoopBackOff"}}
+    return {"state": state, "lastState": last, "restartCount": restarts}
+
+
+def test_a_pods_download_state_comes_from_its_init_container_status():
+    assert pod_download(worker_pod(RUNNING)) == PodDownload("downloading", "model-download")
+    assert pod_download(worker_pod(DONE)) is None
+    assert pod_download(worker_pod()) is None  # not started (pending)
+    waiting = {"state": {"waiting": {"reason": "PodInitializing"}}}
+    assert pod_download(worker_pod(waiting)) is None
+    failed = PodDownload("failed", "model-download", TOKEN_REASON)
+    assert pod_download(worker_pod(FAILED)) == failed
+    # A crash loop is one state: in back-off and running again alike, until a run succeeds.
+    for restarts in range(1, 5):
+        assert pod_download(worker_pod(crash_loop(restarts))) == failed
+        assert pod_download(worker_pod(crash_loop(restarts, running=True))) == failed
+    # The draft model's download follows the model's.
+    assert pod_download(worker_pod(DONE, RUNNING, draft=True)) == PodDownload(
+        "downloading", "draft-model-download"
+    )
+    # A log tail (FallbackToLogsOnError): its last line.
+    tail = {"state": {"terminated": {"exitCode": 2, "message": "starting\nerror: no such thing\n"}}}
+    assert pod_download(worker_pod(tail)).message == "error: no such thing"
+    killed = {"state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    assert pod_download(worker_pod(killed)).message == "exit code 137 (OOMKilled)"
+    gone = worker_pod(FAILED)
+    gone["metadata"]["deletionTimestamp"] = "t"
+    assert pod_download(gone) is None
+    assert pod_download({"metadata": {}, "spec": {"containers": [{"name": "worker"}]}, "status": {}}) is None
+
+
+def test_the_downloads_of_the_pods_make_one_reason():
+    failed = PodDownload("failed", "model-download", TOKEN_REASON)
+    downloading = PodDownload("downloading", "model-download")
+    assert download_condition([]) is None and download_condition([None]) is None
+    assert download_condition([downloading, downloading]) == (
+        "DownloadingModel",
+        "downloading the model in 2 worker pods (kubectl logs POD -c model-download)",
+    )
+    assert download_condition([downloading, failed, failed]) == (
+        "ModelDownloadFailed",
+        f"model-download: {TOKEN_REASON}",
+    )
+
+
+def conditions_of(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+STATUS = {"name": "tiny", "generation": 1, "selector": "s", "desired": 2}
+
+
+def test_the_conditions_say_the_model_is_downloading_then_why_it_failed():
+    starting = deployment_status(2, 0, 2, 2)
+    downloading = compute_status(
+        **STATUS,
+        deployment=starting,
+        previous_conditions=[],
+        now="t0",
+        download=download_condition([PodDownload("downloading", "model-download")] * 2),
+    )
+    cond = conditions_of(downloading)
+    assert cond["Progressing"]["status"] == "True" and cond["Progressing"]["reason"] == "DownloadingModel"
+    assert cond["Ready"]["reason"] == "DownloadingModel" and cond["Degraded"]["status"] == "False"
+
+    failed = compute_status(
+        **STATUS,
+        deployment=starting,
+        previous_conditions=downloading["conditions"],
+        now="t1",
+        download=download_condition([PodDownload("failed", "model-download", TOKEN_REASON)] * 2),
+    )
+    cond = conditions_of(failed)
+    assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "ModelDownloadFailed"
+    assert TOKEN_REASON in cond["Degraded"]["message"] and TOKEN_REASON in cond["Ready"]["message"]
+    assert cond["Degraded"]["lastTransitionTime"] == "t1"
+
+    # One worker serves, the other's download failed: Degraded, Ready partially.
+    partial = compute_status(
+        **STATUS,
+        deployment=deployment_status(2, 1, 2, 2),
+        previous_conditions=[],
+        now="t",
+        download=download_condition([PodDownload("failed", "model-download", TOKEN_REASON)]),
+    )
+    cond = conditions_of(partial)
+    assert cond["Degraded"]["reason"] == "ModelDownloadFailed" and cond["Ready"]["reason"] == "PartiallyReady"
+
+    # Downloaded and serving: nothing about downloads is left.
+    ready = compute_status(
+        **STATUS, deployment=deployment_status(2, 2, 2, 2), previous_conditions=failed["conditions"], now="t2"
+    )
+    assert {c["reason"] for c in ready["conditions"]} == {"AllWorkersReady", "Complete", "AsExpected"}
+
+
+def test_a_crash_looping_download_is_reported_once(monkeypatch):
+    """Each restart of the failing init container is a pod event; the status is written (and
+    the Degraded event posted) at the first failure only."""
+    synced: list[str] = []
+    monkeypatch.setattr(handlers, "sync_or_retry", lambda ns, name, **kw: synced.append(name))
+    monkeypatch.setattr(handlers, "_downloads", {})
+    writes, status = 0, {"conditions": []}
+    events = [("ADDED", RUNNING), ("MODIFIED", FAILED)]
+    events += [("MODIFIED", crash_loop(n, running=bool(n % 2))) for n in range(1, 8)]
+    for kind, init in events:
+        before = len(synced)
+        handlers.pod_changed(body=worker_pod(init), type=kind)
+        new = compute_status(
+            **STATUS,
+            deployment=deployment_status(2, 0, 2, 2),
+            previous_conditions=status["conditions"],
+            now="t",
+            download=download_condition(handlers.downloads_of("ns", "tiny")),
+        )
+        if len(synced) > before and status_changed(status, new):
+            writes, status = writes + 1, new
+    assert synced == ["tiny", "tiny"]  # it started; it failed. The restarts change nothing.
+    assert writes == 2 and conditions_of(status)["Degraded"]["reason"] == "ModelDownloadFailed"
+    handlers.pod_changed(body=worker_pod(DONE), type="MODIFIED")  # a later run succeeded
+    handlers.pod_changed(body=worker_pod(DONE), type="DELETED")
+    assert synced == ["tiny"] * 3 and handlers.downloads_of("ns", "tiny") == []
