@@ -111,11 +111,16 @@ def _error(status: int, code: str | None, message: str) -> web.Response:
 
 
 class HubStandIn:
-    """The stand-in Hub: `repos` by "ORG/NAME"; `token`: the one token it accepts for gated repos."""
+    """The stand-in Hub: `repos` by "ORG/NAME"; `token`: the one token it accepts for gated repos;
+    `cdn_bytes_per_s`: stream LFS files at this rate (None: at once), so a download lasts long
+    enough to be watched."""
 
-    def __init__(self, repos: dict[str, Repo], token: str | None = None) -> None:
+    def __init__(
+        self, repos: dict[str, Repo], token: str | None = None, cdn_bytes_per_s: float | None = None
+    ) -> None:
         self.repos = repos
         self.token = token
+        self.cdn_bytes_per_s = cdn_bytes_per_s
         self.requests: list[tuple[str, str]] = []
         self.cdn_url = ""  # set by `serving`: the CDN's origin (another port)
         self._lock = threading.Lock()
@@ -216,8 +221,27 @@ class HubStandIn:
             for commit in repo.commits.values():
                 for f in commit.files.values():
                     if f.lfs and f.sha256 == request.match_info["sha256"]:
+                        if (
+                            self.cdn_bytes_per_s
+                            and request.method == "GET"
+                            and request.http_range.start is None
+                        ):
+                            return await self._throttled(request, f.data, {"ETag": f'"{f.sha256}"'})
                         return self._body(request, f.data, {"ETag": f'"{f.sha256}"'})
         return web.Response(status=404)
+
+    async def _throttled(
+        self, request: web.Request, data: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """The body in 64 KiB pieces at cdn_bytes_per_s (data keeps flowing: no read timeout)."""
+        response = web.StreamResponse(headers={**headers, "Content-Length": str(len(data))})
+        await response.prepare(request)
+        piece = 64 * 1024
+        for start in range(0, len(data), piece):
+            await response.write(data[start : start + piece])
+            await asyncio.sleep(piece / self.cdn_bytes_per_s)
+        await response.write_eof()
+        return response
 
     @staticmethod
     def _body(request: web.Request, data: bytes, headers: dict[str, str]) -> web.Response:

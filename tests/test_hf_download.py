@@ -5,8 +5,10 @@ exit, and a complete snapshot is not fetched again."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from hub_standin import HubStandIn, Repo, serving
 from model_fixtures import DRAFT
 
 from kvscale.worker.cli import main as cli
-from kvscale.worker.model.download import MARKER, parse_uri
+from kvscale.worker.model.download import MARKER, download, parse_uri
 
 TOKEN = "hf_standin_token"
 pytestmark = pytest.mark.skipif(not DRAFT.is_dir(), reason="needs ../shared/models/tiny-code-draft")
@@ -53,7 +55,7 @@ def hub(revisions, monkeypatch, tmp_path):
         yield standin
 
 
-def download(uri: str, dest: Path, termination_log: Path) -> int:
+def run_cli(uri: str, dest: Path, termination_log: Path) -> int:
     return cli(
         [
             "--log-format",
@@ -70,7 +72,7 @@ def download(uri: str, dest: Path, termination_log: Path) -> int:
 
 def test_a_snapshot_is_the_model_folder_byte_for_byte(hub, revisions, tmp_path):
     dest, log = tmp_path / "model", tmp_path / "termination-log"
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     assert files_of(dest) == files_of(revisions["main"])
     assert not log.exists()
     assert any(p.startswith("/cdn/") for p in hub.file_gets())  # the safetensors went the LFS way
@@ -80,7 +82,7 @@ def test_a_revision_pin_gets_that_revision(hub, revisions, tmp_path):
     sha = hub.repos["kvscale/tiny"].heads["v1"]
     for uri in (f"hf://kvscale/tiny@{sha}", "hf://kvscale/tiny@v1"):
         dest = tmp_path / uri.rpartition("@")[2]
-        assert download(uri, dest, tmp_path / "log") == 0
+        assert run_cli(uri, dest, tmp_path / "log") == 0
         assert files_of(dest) == files_of(revisions["v1"]) != files_of(revisions["main"])
 
 
@@ -106,7 +108,7 @@ def test_each_failure_says_why_in_the_termination_log_and_exits_non_zero(
     else:
         monkeypatch.setenv("HF_TOKEN", token)
     log = tmp_path / "termination-log"
-    assert download(uri, tmp_path / "model", log) == 1
+    assert run_cli(uri, tmp_path / "model", log) == 1
     message = log.read_text()
     assert reason in message and message.count("\n") == 1, message
     assert not hub.file_gets()
@@ -119,40 +121,40 @@ def test_an_unreachable_hub_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     log = tmp_path / "termination-log"
-    assert download("hf://kvscale/tiny", tmp_path / "model", log) == 1
+    assert run_cli("hf://kvscale/tiny", tmp_path / "model", log) == 1
     assert f"cannot reach the Hub at http://127.0.0.1:{port} for kvscale/tiny" in log.read_text()
 
 
 def test_a_complete_snapshot_is_not_fetched_again(hub, revisions, tmp_path, monkeypatch):
     dest, log = tmp_path / "model", tmp_path / "log"
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     fetched = len(hub.file_gets())
     assert fetched == len(files_of(revisions["main"]))
 
     hub.requests.clear()  # a branch: one revision lookup, no file
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     assert hub.file_gets() == [] and [p for _, p in hub.requests] == [
         "/api/models/kvscale/tiny/revision/main"
     ]
 
     sha = hub.repos["kvscale/tiny"].heads["main"]  # a commit hash: no request at all
     hub.requests.clear()
-    assert download(f"hf://kvscale/tiny@{sha}", dest, log) == 0
+    assert run_cli(f"hf://kvscale/tiny@{sha}", dest, log) == 0
     assert hub.requests == []
 
     # The Hub gone: the complete snapshot of the branch serves as it is.
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     assert files_of(dest) == files_of(revisions["main"])
 
 
 def test_an_interrupted_download_is_completed_not_trusted(hub, revisions, tmp_path):
     dest, log = tmp_path / "model", tmp_path / "log"
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     (dest / MARKER).unlink()  # as if the pod died before the end
     (dest / "tokenizer.json").unlink()
     hub.requests.clear()
-    assert download("hf://kvscale/tiny", dest, log) == 0
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
     assert files_of(dest) == files_of(revisions["main"])
     assert [p.rpartition("/")[2] for p in hub.file_gets()] == ["tokenizer.json"]
 
@@ -180,3 +182,20 @@ def test_uris_parse(uri, repo, revision):
 def test_bad_uris_are_refused(uri):
     with pytest.raises(ValueError, match="not a Hugging Face model URI"):
         parse_uri(uri)
+
+
+def test_a_long_download_logs_its_progress(revisions, monkeypatch, tmp_path, caplog):
+    standin = HubStandIn({"kvscale/tiny": Repo(revisions)}, token=TOKEN, cdn_bytes_per_s=4 * 2**20)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    caplog.set_level(logging.INFO, logger="kvscale.worker.download")
+    with serving(standin) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        started = time.monotonic()
+        download(parse_uri("hf://kvscale/tiny@v1"), tmp_path / "model", progress_s=0.2)
+        took = time.monotonic() - started
+    assert took >= 0.9  # 4 MB of safetensors at 4 MiB/s
+    assert files_of(tmp_path / "model") == files_of(revisions["v1"])
+    progress = [r.getMessage() for r in caplog.records if "MiB on disk" in r.getMessage()]
+    assert len(progress) >= 2, progress
+    assert any(r.getMessage().startswith("downloaded hf://kvscale/tiny@v1 (commit ") for r in caplog.records)
