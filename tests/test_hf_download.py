@@ -199,3 +199,15 @@ def test_a_long_download_logs_its_progress(revisions, monkeypatch, tmp_path, cap
     progress = [r.getMessage() for r in caplog.records if "MiB on disk" in r.getMessage()]
     assert len(progress) >= 2, progress
     assert any(r.getMessage().startswith("downloaded hf://kvscale/tiny@v1 (commit ") for r in caplog.records)
+
+
+def test_a_branch_that_moved_is_updated_in_place_without_stale_files(hub, revisions, tmp_path):
+    dest, log = tmp_path / "model", tmp_path / "log"
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
+    assert (dest / "README.md").is_file()
+    hub.repos["kvscale/tiny"] = Repo({"main": revisions["v1"]})  # main now points at v1's files
+    hub.requests.clear()
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
+    assert files_of(dest) == files_of(revisions["v1"])  # README.md gone, generation_config back
+    # Only what changed was fetched.
+    assert sorted(p.rpartition("/")[2] for p in hub.file_gets()) == ["generation_config.json"]

@@ -11,6 +11,8 @@ DIR with the Hub unreachable (HF_HUB_OFFLINE=1). No torch here: it starts in a s
 - A failure writes one line saying why to the termination log (/dev/termination-log; the kubelet
   puts it in the container's status, where the operator reads it into a condition) and exits 1:
   a refused token, an unknown revision or repository, an unreachable Hub.
+- A branch that moved is downloaded into the same folder: files the new commit no longer has are
+  removed (from huggingface_hub's cached tree listing of the commit), so no stale shard stays.
 - Idempotent: DIR is an emptyDir or a PVC cache that pods share. huggingface_hub's own local-dir
   metadata (DIR/.cache/huggingface/) skips files already there at the resolved commit, and a
   marker written last (MARKER) records a complete snapshot: a commit-hash revision with a
@@ -83,6 +85,23 @@ def _write_marker(dest: Path, model: HfModel, commit: str) -> None:
     scratch = dest / f"{MARKER}.tmp-{os.getpid()}"
     scratch.write_text(json.dumps({"repo": model.repo, "revision": model.revision, "commit": commit}))
     scratch.replace(dest / MARKER)  # atomic: a reader sees no marker or a whole one
+
+
+def _prune(dest: Path, repo: str, commit: str) -> list[str]:
+    """Remove the files of `dest` that `commit` does not have (left by an older commit of a
+    branch); huggingface_hub's metadata and our marker stay. The removed paths."""
+    from huggingface_hub import get_cached_repo_tree
+
+    keep = {f.path for f in get_cached_repo_tree(repo, revision=commit, local_dir=dest)}
+    removed = []
+    for path in sorted(dest.rglob("*")):
+        rel = path.relative_to(dest)
+        if rel.parts[0] == ".cache" or rel.name.startswith(MARKER) or not path.is_file():
+            continue
+        if str(rel) not in keep:
+            path.unlink()
+            removed.append(str(rel))
+    return removed
 
 
 def _bytes_on_disk(dest: Path) -> int:
@@ -202,6 +221,8 @@ def download(model: HfModel, dest: Path, *, progress_s: float = PROGRESS_S) -> s
             )
             return have
         raise DownloadError(_reason(e, model, endpoint, token is not None)) from e
+    for path in _prune(dest, model.repo, commit):
+        logger.info("removed %s: commit %s of %s does not have it", path, commit, model)
     _write_marker(dest, model, commit)
     size = _bytes_on_disk(dest)
     logger.info(
