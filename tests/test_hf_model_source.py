@@ -4,7 +4,11 @@ the worker then loads from (an emptyDir by default, a named PVC cache when given
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from hub_standin import HubStandIn, Repo, serving
+from model_fixtures import DRAFT
 from pydantic import ValidationError
 from test_operator_specs import crd_errors, resource, spec_of
 from test_operator_units import deployment_status
@@ -19,6 +23,7 @@ from kvscale.operator.status import (
     pod_download,
     status_changed,
 )
+from kvscale.worker.cli import main as worker_cli
 
 HF_MESSAGE = "hf:// needs a Hugging Face repository"
 OWNER = Owner("tiny", "ns", "uid-1")
@@ -333,3 +338,34 @@ def test_a_crash_looping_download_is_reported_once(monkeypatch):
     handlers.pod_changed(body=worker_pod(DONE), type="MODIFIED")  # a later run succeeded
     handlers.pod_changed(body=worker_pod(DONE), type="DELETED")
     assert synced == ["tiny"] * 3 and handlers.downloads_of("ns", "tiny") == []
+
+
+def test_the_rendered_init_container_fills_the_folder_the_worker_loads(tmp_path, monkeypatch):
+    """The operator's init container (its args and env, the Secret's value in place of the
+    secretKeyRef) run against the Hub stand-in: the worker's --model folder is the snapshot."""
+    if not DRAFT.is_dir():
+        pytest.skip("needs ../shared/models/tiny-code-draft")
+    standin = HubStandIn({"kvscale/tiny": Repo({"main": DRAFT})}, token="hf_secret")
+    sha = standin.repos["kvscale/tiny"].heads["main"]
+    secrets = {("hf-token", "HF_TOKEN"): "hf_secret"}
+    with serving(standin) as url:
+        spec = pod_spec(
+            model={
+                "uri": f"hf://kvscale/tiny@{sha}",
+                "hfTokenSecret": {"name": "hf-token"},
+                "hfEndpoint": url,
+            }
+        )
+        (init,) = spec["initContainers"]
+        root = tmp_path / "volume"  # the hf-models volume, here
+        for var in init["env"]:
+            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+            value = secrets[(ref["name"], ref["key"])] if ref else var["value"]
+            monkeypatch.setenv(var["name"], value.replace("/tmp", str(tmp_path)))
+        args = [a.replace("/models/hf", str(root)) for a in init["args"]]
+        assert worker_cli([*args, "--termination-log", str(tmp_path / "log")]) == 0
+    worker_args = spec["containers"][0]["args"]
+    model = Path(worker_args[worker_args.index("--model") + 1].replace("/models/hf", str(root)))
+    assert {p.name: p.read_bytes() for p in DRAFT.iterdir()} == {
+        p.name: p.read_bytes() for p in model.iterdir() if p.is_file() and not p.name.startswith(".")
+    }
