@@ -211,3 +211,14 @@ def test_a_branch_that_moved_is_updated_in_place_without_stale_files(hub, revisi
     assert files_of(dest) == files_of(revisions["v1"])  # README.md gone, generation_config back
     # Only what changed was fetched.
     assert sorted(p.rpartition("/")[2] for p in hub.file_gets()) == ["generation_config.json"]
+
+
+def test_offline_mode_says_so_and_a_complete_snapshot_still_serves(hub, revisions, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    dest, log = tmp_path / "model", tmp_path / "log"
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start
+    assert run_cli("hf://kvscale/tiny", dest, log) == 0  # the complete snapshot, as it is
+    assert run_cli("hf://kvscale/tiny@v1", tmp_path / "other", log) == 1
+    assert "HF_HUB_OFFLINE is set, so hf://kvscale/tiny@v1 cannot be downloaded" in log.read_text()

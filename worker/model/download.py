@@ -133,10 +133,13 @@ def _reason(e: Exception, model: HfModel, endpoint: str, has_token: bool) -> str
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
+    if isinstance(e, OfflineModeIsEnabled):
+        return f"HF_HUB_OFFLINE is set, so {model} cannot be downloaded: remove it from the download's env"
     status = getattr(getattr(e, "response", None), "status_code", None)
     if isinstance(e, RevisionNotFoundError):
         return f"revision {model.revision!r} not found in {model.repo} on {endpoint}: check model.uri"
@@ -163,9 +166,9 @@ def _reason(e: Exception, model: HfModel, endpoint: str, has_token: bool) -> str
 
 def _unreachable(e: Exception) -> bool:
     import httpx2
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    return isinstance(e, httpx2.TransportError | LocalEntryNotFoundError)
+    return isinstance(e, httpx2.TransportError | LocalEntryNotFoundError | OfflineModeIsEnabled)
 
 
 def download(model: HfModel, dest: Path, *, progress_s: float = PROGRESS_S) -> str:
