@@ -211,6 +211,9 @@ def compute_status(
     )
     scaled = deployment is not None and (desired is None or dep_spec.get("replicas") == desired)
 
+    settled = scaled and observed and updated == want and replicas == want and ready >= want
+    if settled:  # every wanted worker serves: no download can matter (nor a pod the watch lost)
+        download = None
     failure = None
     progress = dep_conditions.get("Progressing", {})
     download_failed = download is not None and download[0] == "ModelDownloadFailed"
@@ -223,7 +226,6 @@ def compute_status(
     elif dep_conditions.get("ReplicaFailure", {}).get("status") == "True":
         failure = ("ReplicaFailure", dep_conditions["ReplicaFailure"].get("message", ""))
 
-    settled = scaled and observed and updated == want and replicas == want and ready >= want
     if deployment is None:
         progressing = (True, "Creating", "creating the worker Deployment")
     elif not settled and download is not None and not download_failed:

@@ -369,3 +369,13 @@ def test_the_rendered_init_container_fills_the_folder_the_worker_loads(tmp_path,
     assert {p.name: p.read_bytes() for p in DRAFT.iterdir()} == {
         p.name: p.read_bytes() for p in model.iterdir() if p.is_file() and not p.name.startswith(".")
     }
+
+
+def test_a_download_left_over_from_a_lost_pod_does_not_degrade_a_settled_resource():
+    """The pod watch may miss a deletion (a re-list after a watch error reports no DELETED): once
+    every wanted worker serves, no download state counts."""
+    stale = download_condition([PodDownload("failed", "model-download", TOKEN_REASON)])
+    status = compute_status(
+        **STATUS, deployment=deployment_status(2, 2, 2, 2), previous_conditions=[], now="t", download=stale
+    )
+    assert {c["reason"] for c in status["conditions"]} == {"AllWorkersReady", "Complete", "AsExpected"}
