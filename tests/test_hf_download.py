@@ -222,3 +222,24 @@ def test_offline_mode_says_so_and_a_complete_snapshot_still_serves(hub, revision
     assert run_cli("hf://kvscale/tiny", dest, log) == 0  # the complete snapshot, as it is
     assert run_cli("hf://kvscale/tiny@v1", tmp_path / "other", log) == 1
     assert "HF_HUB_OFFLINE is set, so hf://kvscale/tiny@v1 cannot be downloaded" in log.read_text()
+
+
+def test_an_interrupted_update_of_a_branch_is_not_taken_for_the_old_snapshot(
+    hub, revisions, tmp_path, monkeypatch
+):
+    dest, log = tmp_path / "model", tmp_path / "log"
+    assert run_cli("hf://kvscale/tiny@v1", dest, log) == 0
+    hub.repos["kvscale/tiny"] = Repo({"v1": revisions["main"]})  # the tag moved
+
+    def interrupted(*args, **kwargs):
+        (dest / "README.md").write_text("half of the new commit")
+        raise KeyboardInterrupt  # the pod killed mid-download
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli("hf://kvscale/tiny@v1", dest, log)
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the Hub gone: no snapshot to fall back on
+    assert run_cli("hf://kvscale/tiny@v1", dest, log) == 1
+    assert "cannot reach the Hub" in log.read_text()

@@ -188,12 +188,15 @@ def download(model: HfModel, dest: Path, *, progress_s: float = PROGRESS_S) -> s
         else:
             info = HfApi(endpoint=endpoint, token=token).model_info(model.repo, revision=model.revision)
             commit = info.sha
-            assert commit, "the Hub's revision API returned no sha"
+            if not commit:
+                raise DownloadError(f"the Hub at {endpoint} gave no commit for {model}: is it a Hub?")
         if commit == have:
             logger.info("%s (commit %s) is already complete in %s: nothing to fetch", model, commit, dest)
             return commit
         logger.info("downloading %s (commit %s) from %s into %s", model, commit, endpoint, dest)
         dest.mkdir(parents=True, exist_ok=True)
+        # The folder is about to change: until the new marker, it is no complete snapshot.
+        (dest / MARKER).unlink(missing_ok=True)
         done = threading.Event()
         reporter = threading.Thread(
             target=_report_progress, args=(dest, model, done, progress_s), daemon=True
@@ -206,13 +209,10 @@ def download(model: HfModel, dest: Path, *, progress_s: float = PROGRESS_S) -> s
         finally:
             done.set()
             reporter.join()
+    except DownloadError:
+        raise
     except Exception as e:
-        if (
-            _unreachable(e)
-            and have is not None
-            and marker is not None
-            and marker.get("revision") == model.revision
-        ):
+        if _unreachable(e) and have is not None and marker.get("revision") == model.revision:
             logger.warning(
                 "the Hub at %s cannot be reached (%s); using the complete snapshot of %s already in %s "
                 "(commit %s)",
