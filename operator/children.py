@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from kvscale.operator.models import (
     DNS_LABEL,
@@ -21,6 +22,7 @@ from kvscale.operator.models import (
     RESERVED_PREFIX,
     VERSION,
     InferenceDeploymentSpec,
+    is_hf,
     search,
 )
 
@@ -34,6 +36,9 @@ WORKER = "kvscale-worker"
 PORT = 8000
 PRESTOP_SECONDS = 5  # endpoints stop routing to a terminating pod before it drains
 MODELS_ROOT = "/models"
+HF_VOLUME = "hf-models"  # the hf:// downloads: an emptyDir, or model.cacheClaim
+HF_ROOT = f"{MODELS_ROOT}/hf"
+DOWNLOAD_SUFFIX = "model-download"  # the init containers: model-download, draft-model-download
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,62 @@ def resolve_model(uri: str) -> tuple[str, dict | None, dict | None]:
     return f"{mount}/{sub}".rstrip("/"), volume, {"name": name, "mountPath": mount, "readOnly": True}
 
 
+def hf_model_path(uri: str) -> str:
+    """Where the init container puts hf://ORG/NAME[@REVISION] and the worker loads it from: one
+    folder per repository and revision, so a shared cache holds several side by side."""
+    repo, _, revision = uri.removeprefix("hf://").partition("@")
+    return f"{HF_ROOT}/{repo}/{quote(revision or 'main', safe='')}"
+
+
+def hf_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    m = spec.model
+    if m.cache_claim:
+        return {"name": HF_VOLUME, "persistentVolumeClaim": {"claimName": m.cache_claim}}
+    return {"name": HF_VOLUME, "emptyDir": {"sizeLimit": m.cache_size}}
+
+
+def _download_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """The init container's variables: huggingface_hub's own (HF_TOKEN, HF_ENDPOINT), its caches
+    in /tmp (the root filesystem is read-only), no telemetry, no progress bars (the downloader
+    logs progress lines itself); then the user's (proxies, CA bundles), which win."""
+    m = spec.model
+    ours: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
+    ]
+    if m.hf_token_secret is not None:
+        ref = {"name": m.hf_token_secret.name, "key": m.hf_token_secret.key}
+        ours.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if m.hf_endpoint:
+        ours.append({"name": "HF_ENDPOINT", "value": m.hf_endpoint})
+    return _merged_env(ours, spec)
+
+
+def download_container(
+    name: str, uri: str, spec: InferenceDeploymentSpec, image: str, resources: dict, security: dict
+) -> dict[str, Any]:
+    """An init container fetching `uri` (hf://) into the shared volume before the worker starts.
+    A failure's reason (the downloader writes one line) lands in the pod's status as the
+    container's termination message, where the operator reads it into a condition."""
+    return {
+        "name": name,
+        "image": image,
+        "command": ["kvscale-worker"],
+        "args": ["--log-format", "text", "download", uri, "--dest", hf_model_path(uri)],
+        "env": _download_env(spec),
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": HF_VOLUME, "mountPath": HF_ROOT},
+        ],
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": security,
+    }
+
+
 def worker_args(
     name: str, spec: InferenceDeploymentSpec, model_path: str, draft_path: str | None
 ) -> list[str]:
@@ -127,10 +188,9 @@ def worker_args(
 
 
 def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
-    """The operator's variables, then the user's; a user variable of the same name replaces ours
-    (one entry per name: the Deployment's env is keyed by name and server-side apply refuses
-    duplicates). The user's come last, so they may refer to ours as $(NAME)."""
-    # A read-only root filesystem: every cache goes to the /tmp emptyDir; no hub downloads.
+    """The worker's variables: ours, then the user's (_merged_env)."""
+    # A read-only root filesystem: every cache goes to the /tmp emptyDir; no hub downloads (an
+    # hf:// model is fetched by the init container before the worker starts).
     ours: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
@@ -141,6 +201,13 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     if spec.server.api_key_secret:
         ref = {"name": spec.server.api_key_secret, "key": "api-key"}
         ours.append({"name": "KVSCALE_API_KEY", "valueFrom": {"secretKeyRef": ref}})
+    return _merged_env(ours, spec)
+
+
+def _merged_env(ours: list[dict[str, Any]], spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
+    """The operator's variables, then the user's; a user variable of the same name replaces ours
+    (one entry per name: the Deployment's env is keyed by name and server-side apply refuses
+    duplicates). The user's come last, so they may refer to ours as $(NAME)."""
     users: list[dict[str, Any]] = []
     for var in spec.env:
         if var.value is not None:
@@ -210,6 +277,11 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
         uris.append(spec.speculative.draft_model_uri)
     paths = []
     for uri in uris:
+        if is_hf(uri):  # downloaded by an init container into the hf-models volume
+            paths.append(hf_model_path(uri))
+            volumes[HF_VOLUME] = hf_volume(spec)
+            mounts[HF_VOLUME] = {"name": HF_VOLUME, "mountPath": HF_ROOT, "readOnly": True}
+            continue
         path, volume, mount = resolve_model(uri)
         paths.append(path)
         if volume is not None and mount is not None:
@@ -260,7 +332,21 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    # The download takes the worker's CPU and memory (requests = limits: the pod stays Guaranteed),
+    # no GPU. The draft model's comes second: a failure of the main one is reported first.
+    download_resources = {
+        "requests": {"cpu": r.cpu, "memory": r.memory},
+        "limits": {"cpu": r.cpu, "memory": r.memory},
+    }
+    init = [
+        download_container(
+            f"{prefix}{DOWNLOAD_SUFFIX}", uri, spec, image, download_resources, container["securityContext"]
+        )
+        for prefix, uri in zip(("", "draft-"), uris, strict=False)
+        if is_hf(uri)
+    ]
     pod_spec: dict[str, Any] = {
+        **({"initContainers": init} if init else {}),
         "containers": [container],
         "volumes": list(volumes.values()),
         # Longer than preStop + drain, so the kubelet never kills a worker that is still draining.

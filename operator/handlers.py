@@ -11,7 +11,10 @@ autoscaler owns its own fields, status.py). Everything calls it:
   are streamed) re-apply a child that was deleted or changed by hand (heal.child_drift), and
   the Deployment's refresh the status; a child that has not drifted is not sent at all;
 - the resync task in the leader does the same for every resource every RESYNC_S, catching what
-  a missed event left behind, and retries transient failures with a doubling backoff.
+  a missed event left behind, and retries transient failures with a doubling backoff;
+- a watch on the worker pods (the same server-side selector) keeps where each pod's hf://
+  model download stands (status.pod_download) and refreshes the status when that changes: a
+  download that starts, ends or fails (a crash loop of the init container is one change).
 
 No kopf timer or daemon: kopf puts a finalizer on every resource that has one. A 4xx from the
 API server is permanent for that generation (status and one event, no retry until the spec
@@ -58,7 +61,14 @@ from kvscale.operator.heal import (
     rejected,
 )
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec, name_problem
-from kvscale.operator.status import compute_status, status_apply, status_changed
+from kvscale.operator.status import (
+    PodDownload,
+    compute_status,
+    download_condition,
+    pod_download,
+    status_apply,
+    status_changed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,7 @@ CHILD_RESOURCES = {
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
 }
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
+POD_RESOURCE = ("v1", "pods")  # the workers carry the same labels
 # No answer, a timeout, a refused or reset connection: retried like a 5xx.
 NETWORK_ERRORS = (HTTPError, OSError)
 
@@ -83,6 +94,10 @@ retries = RetryQueue()
 watch_namespaces: tuple[str, ...] = ()
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
+# (namespace, resource) -> pod name -> its model download, from the pod watch (pods without one
+# are not kept).
+_downloads: dict[tuple[str, str], dict[str, PodDownload]] = {}
+_downloads_guard = threading.Lock()
 
 
 def worker_image() -> str:
@@ -193,7 +208,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 60
     # Server-side: the API server streams our children only, not every Deployment of the
     # cluster. (A handler's `labels=` filter is applied in the operator, after the streaming.)
-    for resource in CHILD_RESOURCES.values():
+    for resource in (*CHILD_RESOURCES.values(), POD_RESOURCE):
         settings.watching.label_selectors[resource] = CHILD_SELECTOR
 
 
@@ -311,6 +326,7 @@ def sync(
             apply_error=shown,
             applied=applied,
             last_applied=status.get("observedGeneration"),
+            download=download_condition(downloads_of(namespace, name)),
         )
         if status_changed(status, new):
             _announce_transitions(cr, previous, new["conditions"])
@@ -449,6 +465,36 @@ def service_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 @kopf.on.event(*CHILD_RESOURCES["PodDisruptionBudget"])
 def pdb_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     _child_changed("PodDisruptionBudget", body, type)
+
+
+def downloads_of(namespace: str, name: str) -> list[PodDownload]:
+    with _downloads_guard:
+        return list(_downloads.get((namespace, name), {}).values())
+
+
+def note_download(namespace: str, owner: str, pod: str, download: PodDownload | None) -> bool:
+    """Record a pod's download (None: none, or the pod is gone); whether that changed anything."""
+    with _downloads_guard:
+        pods = _downloads.setdefault((namespace, owner), {})
+        before = pods.pop(pod, None)
+        if download is not None:
+            pods[pod] = download
+        if not pods:
+            del _downloads[(namespace, owner)]
+    return before != download
+
+
+@kopf.on.event(*POD_RESOURCE)
+def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A worker pod changed: when its model download started, ended or failed, refresh the
+    owner's status (most pod events change nothing here and cost nothing)."""
+    meta = body["metadata"]
+    owner = (meta.get("labels") or {}).get(LABEL_OWNER)
+    if not owner:
+        return
+    download = None if type == "DELETED" else pod_download(dict(body))
+    if note_download(meta["namespace"], owner, meta["name"], download):
+        sync_or_retry(meta["namespace"], owner, kinds=("Deployment",))
 
 
 def list_resources() -> list[dict[str, Any]]:

@@ -3,8 +3,12 @@ and which writer owns which status fields.
 
 Ready: every wanted worker is ready and on the current spec. Progressing: a rollout or a scale
 is under way. Degraded: the Deployment reports a failure (progress deadline exceeded, replica
-failure) or the operator could not apply the spec. lastTransitionTime only moves when a
-condition's status changes, so a steady resource keeps a steady status.
+failure), the operator could not apply the spec, or a worker's model download (hf://) failed.
+While an hf:// model downloads, Progressing says DownloadingModel (and Ready too, while no worker
+is ready); when a download fails, Degraded says ModelDownloadFailed with the downloader's reason
+(a refused token, an unknown revision), read from the pods' initContainerStatuses.
+lastTransitionTime only moves when a condition's status changes, so a steady resource keeps a
+steady status.
 
 Two writers share the status, each through server-side apply under its own field manager and
 each sending only its own fields (`conditions` is a map keyed by `type`, so a writer owns its
@@ -15,10 +19,11 @@ write, so neither can put back a stale one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from kvscale.operator.children import AUTOSCALER_MANAGER, MANAGER
+from kvscale.operator.children import AUTOSCALER_MANAGER, DOWNLOAD_SUFFIX, MANAGER
 from kvscale.operator.models import GROUP, KIND, VERSION
 
 
@@ -89,6 +94,68 @@ def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return any(live.get(c["type"]) != c for c in new.get("conditions", []))
 
 
+@dataclass(frozen=True)
+class PodDownload:
+    """Where one worker pod's model download stands (the pod watch keeps one per pod)."""
+
+    state: Literal["downloading", "failed"]
+    container: str
+    message: str = ""  # failed: why, from the container's termination message
+
+
+MESSAGE_MAX = 512
+
+
+def _last_line(text: str | None) -> str:
+    """The downloader writes one line; a log tail (FallbackToLogsOnError) ends with the error."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:MESSAGE_MAX] if lines else ""
+
+
+def pod_download(pod: dict[str, Any]) -> PodDownload | None:
+    """A worker pod's model download from its initContainerStatuses: failed when its last run
+    exited non-zero (also while the kubelet restarts it: a crash loop is one state, not a flap
+    that writes status on every restart), downloading while it runs, else None (done, not
+    started yet, or no download at all)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    statuses = {s.get("name"): s for s in (pod.get("status") or {}).get("initContainerStatuses") or []}
+    for c in (pod.get("spec") or {}).get("initContainers") or []:
+        if not c["name"].endswith(DOWNLOAD_SUFFIX):
+            continue
+        status = statuses.get(c["name"])
+        if status is None:
+            return None  # not scheduled or not started yet
+        state, last = status.get("state") or {}, status.get("lastState") or {}
+        if (state.get("terminated") or {}).get("exitCode") == 0:
+            continue  # done: the next download, if any
+        for run in (state.get("terminated"), last.get("terminated")):
+            if run and run.get("exitCode", 0) != 0:
+                why = (
+                    _last_line(run.get("message")) or f"exit code {run['exitCode']} ({run.get('reason', '')})"
+                )
+                return PodDownload("failed", c["name"], why)
+        return PodDownload("downloading", c["name"]) if "running" in state else None
+    return None
+
+
+def download_condition(downloads: Iterable[PodDownload | None]) -> tuple[str, str] | None:
+    """(reason, message) of the workers' downloads for the conditions: a failure first (the same
+    message for every pod that failed alike), then how many still download; None: nothing to say."""
+    found = [d for d in downloads if d is not None]
+    failed = sorted({(d.container, d.message) for d in found if d.state == "failed"})
+    if failed:
+        container, message = failed[0]
+        return "ModelDownloadFailed", f"{container}: {message}"
+    downloading = sum(d.state == "downloading" for d in found)
+    if downloading:
+        pods = "pod" if downloading == 1 else "pods"
+        return "DownloadingModel", (
+            f"downloading the model in {downloading} worker {pods} (kubectl logs POD -c {DOWNLOAD_SUFFIX})"
+        )
+    return None
+
+
 def _condition(
     type_: str, ok: bool, reason: str, message: str, generation: int, previous: dict[str, dict], now: str
 ) -> dict[str, Any]:
@@ -117,6 +184,7 @@ def compute_status(
     apply_error: str | tuple[str, str] | None = None,
     applied: bool = True,
     last_applied: int | None = None,
+    download: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The reconciler's status fields. `desired` is the replica count the spec asks for; None
     when the autoscaler sets it, in which case the Deployment's own spec.replicas is the target.
@@ -125,7 +193,8 @@ def compute_status(
     (ApplyFailed: retried; ApplyRejected, InvalidSpec: refused until the spec changes; a bare
     message is ApplyFailed). `observedGeneration` is the last generation whose children were
     all applied: this one when `applied`, else `last_applied` (None: none yet). Flux and kstatus
-    compare it with metadata.generation; each condition says which generation it describes."""
+    compare it with metadata.generation; each condition says which generation it describes.
+    `download`: download_condition() of the worker pods."""
     if isinstance(apply_error, str):
         apply_error = ("ApplyFailed", apply_error)
     previous = {c["type"]: c for c in previous_conditions or []}
@@ -142,18 +211,25 @@ def compute_status(
     )
     scaled = deployment is not None and (desired is None or dep_spec.get("replicas") == desired)
 
+    settled = scaled and observed and updated == want and replicas == want and ready >= want
+    if settled:  # every wanted worker serves: no download can matter (nor a pod the watch lost)
+        download = None
     failure = None
     progress = dep_conditions.get("Progressing", {})
+    download_failed = download is not None and download[0] == "ModelDownloadFailed"
     if apply_error:
         failure = apply_error
+    elif download_failed:
+        failure = download
     elif progress.get("status") == "False" and progress.get("reason") == "ProgressDeadlineExceeded":
         failure = ("ProgressDeadlineExceeded", progress.get("message", ""))
     elif dep_conditions.get("ReplicaFailure", {}).get("status") == "True":
         failure = ("ReplicaFailure", dep_conditions["ReplicaFailure"].get("message", ""))
 
-    settled = scaled and observed and updated == want and replicas == want and ready >= want
     if deployment is None:
         progressing = (True, "Creating", "creating the worker Deployment")
+    elif not settled and download is not None and not download_failed:
+        progressing = (True, *download)
     elif not settled:
         reason = (
             "RollingOut"
@@ -180,6 +256,8 @@ def compute_status(
         )
     elif ready > 0:
         readiness = (False, "PartiallyReady", f"{ready}/{want} workers ready")
+    elif download is not None:  # nothing serves yet, and this is why
+        readiness = (False, *download)
     else:
         readiness = (False, "NoWorkerReady", f"0/{want} workers ready")
 

@@ -204,12 +204,12 @@ def test_every_child_watch_is_filtered_by_the_api_server_and_nothing_adds_a_fina
     handlers.configure(settings=settings)
     registry = kopf.get_default_registry()
     watched = [h.selector for h in registry._watching.get_all_handlers() if h.selector.group != GROUP]
-    assert len(watched) == 3
+    assert len(watched) == 4  # the three children, and the worker pods (their model downloads)
     for selector in watched:
         plural = selector.any_name
         resource = kopf.Resource(selector.group, selector.version, plural)
         assert settings.watching.label_selectors.collect(resource) == [handlers.CHILD_SELECTOR], plural
-        assert plural in ("deployments", "services", "poddisruptionbudgets")
+        assert plural in ("deployments", "services", "poddisruptionbudgets", "pods")
     assert not registry._spawning.get_all_handlers()  # no kopf timers or daemons
     assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
 

@@ -3,6 +3,7 @@
     kvscale-worker generate [--model PATH] [--prompt TEXT ...] [engine flags]
     kvscale-worker serve [--model PATH] [--host H --port P] [--served-model-name N] [--api-key K]
                          [--max-queued-requests N] [--drain-timeout S] [engine flags]
+    kvscale-worker download hf://ORG/NAME[@REVISION] --dest DIR [--termination-log PATH]
 
 Without --model it builds (once, in ~/.cache/kvscale) a tiny random Llama with a locally trained
 tokenizer, so the command works on a fresh machine with no download.
@@ -109,6 +110,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(EngineArgs.from_cli_args(args), config))
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    from kvscale.worker.model.download import main as download
+
+    return download(args.uri, args.dest, args.termination_log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvscale-worker", description="kvscale inference worker")
     parser.add_argument("--log-level", default="INFO")
@@ -154,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="/health fails while one engine step runs longer than this (seconds; 0: never)",
     )
     srv.set_defaults(func=cmd_serve)
+
+    dl = sub.add_parser(
+        "download",
+        help="fetch a model snapshot from the Hugging Face Hub into a folder (the pods' init container)",
+    )
+    dl.add_argument("uri", help="hf://ORG/NAME[@REVISION]; the token is HF_TOKEN, the endpoint HF_ENDPOINT")
+    dl.add_argument("--dest", required=True, help="the model folder to fill (kept: a complete one is reused)")
+    dl.add_argument(
+        "--termination-log",
+        default="/dev/termination-log",
+        help="where a failure's one-line reason goes (the kubelet's terminationMessagePath)",
+    )
+    dl.set_defaults(func=cmd_download)
     return parser
 
 
