@@ -152,7 +152,29 @@ def wait_ready(cluster, name: str, namespace: str, replicas: int, timeout: float
         ok = condition(cr, "Ready").get("status") == "True" and status.get("readyReplicas") == replicas
         return cr if ok and status.get("observedGeneration") == cr["metadata"]["generation"] else None
 
-    return wait_for(ready, timeout=timeout, interval=0.5, what=f"{name} to be Ready with {replicas} workers")
+    what = f"{name} to be Ready with {replicas} workers"
+    try:
+        return wait_for(ready, timeout=timeout, interval=0.5, what=what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{explain(cluster, name, namespace)}") from None
+
+
+def explain(cluster, name: str, namespace: str) -> str:
+    """What a failure report needs: the resource's status, its pods' states, events and log tails."""
+    selector = f"kvscale.dev/inference-deployment={name}"
+    parts = [
+        cluster.kubectl("get", "infd", name, "-n", namespace, "-o", "jsonpath={.status}", check=False).stdout,
+        cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "wide", check=False).stdout,
+        cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout,
+    ]
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector=selector).items
+    for pod in pods:
+        for c in [*(pod.spec.init_containers or []), *pod.spec.containers]:
+            logs = cluster.kubectl(
+                "logs", pod.metadata.name, "-n", namespace, "-c", c.name, "--tail=30", check=False
+            )
+            parts.append(f"--- {pod.metadata.name}/{c.name}\n{logs.stdout}{logs.stderr}")
+    return "\n".join(parts)
 
 
 def children_versions(cluster, name: str, namespace: str) -> dict[str, str]:
