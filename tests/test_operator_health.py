@@ -117,3 +117,40 @@ def test_the_liveness_timeout_must_outlast_a_standbys_wait():
     with pytest.raises(SystemExit):
         main.main(["run", "--liveness-timeout", "12", "--renew-deadline", "10", "--retry-period", "2"])
     assert health_module.DEFAULT_STALL_S > 10 + 1.2 * 2
+
+
+def test_the_leader_beats_on_its_loop_and_is_not_live_once_kopf_ended(monkeypatch):
+    """main._lead: the heartbeat runs on kopf's loop while kopf runs; kopf's task ending (here
+    with an error, the process still up) turns liveness off, and the role to stopping."""
+    import kopf
+
+    from kvscale.operator import leader, main
+    from kvscale.operator.leader import Fence, Timings
+
+    beats: list[float] = []
+    health = Health(stall_s=5)
+
+    async def operator(**_):
+        for _ in range(3):
+            await asyncio.sleep(health_module.BEAT_EVERY_S * 1.1)
+            beats.append(health.beat_at)
+        assert health.live() == (True, "ok") and health.role == "leading"
+        raise RuntimeError("kopf crashed")
+
+    async def keep_renewing(lock, fence, stop):
+        await stop.wait()
+        return False
+
+    monkeypatch.setattr(kopf, "operator", operator)
+    monkeypatch.setattr(kopf.on, "login", lambda **_: lambda fn: fn)
+    monkeypatch.setattr(kopf.on, "startup", lambda **_: lambda fn: fn)
+    monkeypatch.setattr(leader, "keep_renewing", keep_renewing)
+    fence = Fence(Timings())
+    fence.renewed(time.monotonic())
+    lock = type("Lock", (), {"release": lambda self, timeout: None, "holder": lambda self: "me"})()
+    with pytest.raises(RuntimeError, match="kopf crashed"):
+        asyncio.run(main._lead(lock, fence, (), health))
+    assert len(set(beats)) == 3  # a fresh beat each time the loop was looked at
+    ok, why = health.live()
+    assert not ok and "kopf's main task ended: kopf crashed" in why
+    assert health.role == "stopping" and metrics.LEADER._value.get() == 0
