@@ -38,13 +38,19 @@ class Health:
         self.beat_at: float | None = None
         self.role = "starting"  # starting | standby | leading | stopping
         self.ended: str | None = None  # why the operator's main task ended (then not live)
+        self.may_act: Callable[[], bool] = lambda: True  # the leader's fence (main._lead)
+        metrics.LEADER.set_function(lambda: 1.0 if self.leading() else 0.0)
 
     def beat(self) -> None:
         self.beat_at = self.clock()
 
     def set_role(self, role: str) -> None:
         self.role = role
-        metrics.LEADER.set(1 if role == "leading" else 0)
+
+    def leading(self) -> bool:
+        """The leader, and within its renew deadline: the gauge drops at the deadline, before
+        the renewal loop has noticed."""
+        return self.role == "leading" and self.may_act()
 
     def live(self) -> tuple[bool, str]:
         if self.ended is not None:

@@ -116,6 +116,7 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
     from kvscale.operator.leader import keep_renewing
 
     health = health or Health()
+    health.may_act = fence.may_act
     health.set_role("leading")
     beating = asyncio.create_task(heartbeat(health), name="heartbeat")
 
