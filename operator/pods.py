@@ -106,14 +106,18 @@ def feed(
                 listed_at = clock()
                 cache.replace(pods, namespace)
                 metrics.POD_CACHE_RELISTS.inc()
+            opened, events = clock(), 0
             for event_type, pod, seen in watcher(namespace, version):
                 if stop.is_set():
                     return
+                events += 1
                 version = seen or version
                 if pod is not None:
                     cache.apply(event_type, pod)
                 if clock() - listed_at >= relist_s:
                     break  # the relist above
+            if not events and clock() - opened < 1.0:
+                stop.wait(retry_s)  # a stream the server ends at once: no busy loop of watches
         except ApiException as e:
             version = None  # 410 Gone or another refusal: start over from a LIST
             if e.status != 410:

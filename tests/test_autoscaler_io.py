@@ -129,6 +129,26 @@ def test_the_feeder_relists_after_an_error_and_periodically():
     assert metrics.ERRORS.labels("network")._value.get() == errors + 1
 
 
+def test_a_stream_the_server_ends_at_once_is_reopened_after_a_pause_not_in_a_busy_loop():
+    class Stop(threading.Event):
+        waits: ClassVar[list[float]] = []
+
+        def wait(self, timeout=None):
+            Stop.waits.append(timeout)
+            if len(Stop.waits) == 3:
+                self.set()
+            return self.is_set()
+
+    opened: list[str] = []
+
+    def watcher(namespace, version):
+        opened.append(version)
+        return iter(())  # ended before any event
+
+    feed(PodCache(), lambda ns: ([], "1"), watcher, Stop(), retry_s=2.0)
+    assert Stop.waits == [2.0, 2.0, 2.0] and opened == ["1", "1", "1"]
+
+
 # --- the autoscaler's tick ---------------------------------------------------------------------
 
 
