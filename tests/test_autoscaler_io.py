@@ -149,6 +149,53 @@ def test_a_stream_the_server_ends_at_once_is_reopened_after_a_pause_not_in_a_bus
     assert Stop.waits == [2.0, 2.0, 2.0] and opened == ["1", "1", "1"]
 
 
+def test_the_api_watcher_streams_pods_and_bookmarks_and_raises_410(monkeypatch):
+    """pods.api_watcher through the kubernetes client's own Watch, over a fake HTTP response."""
+    import json
+
+    from kvscale.operator.pods import POD_SELECTOR, api_watcher
+
+    lines = [
+        {"type": "ADDED", "object": client.ApiClient().sanitize_for_serialization(pod("a-1", rv="5"))},
+        {"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "8"}}},
+        {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "old"}},
+    ]
+    asked: list[dict] = []
+
+    class Response:
+        status = 200
+
+        def stream(self, amt=None, decode_content=False):
+            for line in lines:
+                yield (json.dumps(line) + "\n").encode()
+
+        def close(self):
+            pass
+
+        def release_conn(self):
+            pass
+
+    class Core:
+        def list_pod_for_all_namespaces(self, **kwargs):
+            asked.append(kwargs)
+            return Response()
+
+    # As the real client's method is annotated (this module's annotations are strings).
+    Core.list_pod_for_all_namespaces.__annotations__["return"] = client.V1PodList
+
+    seen = []
+    with pytest.raises(ApiException) as gone:
+        for event in api_watcher(Core())(None, "3"):
+            seen.append(event)
+    assert gone.value.status == 410
+    (added, bookmark) = seen
+    assert added[0] == "ADDED" and added[1].metadata.name == "a-1" and added[2] == "5"
+    assert bookmark == ("BOOKMARK", None, "8")
+    (query,) = asked
+    assert query["label_selector"] == POD_SELECTOR and query["resource_version"] == "3"
+    assert query["allow_watch_bookmarks"] is True and query["watch"] is True and query["timeout_seconds"]
+
+
 # --- the autoscaler's tick ---------------------------------------------------------------------
 
 
