@@ -6,12 +6,14 @@ one, which would write the resource's metadata and keep a resource from being de
 operator is down; see docs/operator.md.) kopf runs only on the Lease holder (main.py), so only
 the leader scales.
 
-Every SCRAPE_INTERVAL_S the task lists the worker pods, reads `/metrics` from each ready one
+Every SCRAPE_INTERVAL_S the task takes its worker pods from the pod cache (pods.py: one
+label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
+`/metrics` from each ready one
 directly (pod IP and port, short timeouts, in parallel), asks `autoscaling.decide`, and on a
 change patches the Deployment's scale subresource. Before removing workers it marks the least
 loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
 exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
-Status carries the signals and the last decisions.
+Status carries the signals and the last decisions, written when they change (`_report`).
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from kvscale.operator import metrics
 from kvscale.operator.autoscaling import Autoscaler, Decision, Params, PodLoad, PodTiming, Sample
-from kvscale.operator.children import AUTOSCALER_MANAGER, PORT, selector_string
+from kvscale.operator.children import AUTOSCALER_MANAGER, PORT
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
+from kvscale.operator.pods import PodCache, PodFeeder
+from kvscale.operator.status import pruned
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +145,21 @@ class Target:
 
 
 _targets: dict[str, Target] = {}
+_pods = PodCache()
+_feeder = PodFeeder(_pods)
+
+
+@kopf.on.startup()
+def start_pod_cache(**_: Any) -> None:
+    """The pod cache is fed while kopf runs: on the leader only (main._lead)."""
+    from kvscale.operator import handlers
+
+    _feeder.start(client.CoreV1Api(_api()), handlers.watch_namespaces)
+
+
+@kopf.on.cleanup()
+def stop_pod_cache(**_: Any) -> None:
+    _feeder.stop()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -155,11 +175,16 @@ async def track(body: kopf.Body, type: str | None, **_: Any) -> None:
             _targets.pop(uid)
             if target.task is not None:
                 target.task.cancel()
+            metrics.forget(target.namespace, target.name)
         return
     if target is None:
         target = _targets[uid] = Target(meta["name"], meta["namespace"], uid, dict(body["spec"]))
-        decisions = ((body.get("status") or {}).get("autoscaling") or {}).get("lastDecisions")
-        target.decisions = list(decisions or [])
+        shown = dict((body.get("status") or {}).get("autoscaling") or {})
+        target.decisions = list(shown.get("lastDecisions") or [])
+        # What the object shows is what was last applied (by this leader or the one before): an
+        # unchanged tick after a takeover writes nothing either.
+        shown.pop("lastScrapeTime", None)
+        target.last_status = shown or None
         target.task = asyncio.create_task(_run(target), name=f"autoscaler {meta['namespace']}/{meta['name']}")
     target.spec = dict(body["spec"])
 
@@ -177,13 +202,18 @@ async def _run(target: Target) -> None:
                 if e.status == 404:
                     logger.info("autoscaler: %s/%s not found yet", target.namespace, target.name)
                 else:
+                    metrics.errored(metrics.error_kind(e))
                     logger.warning("autoscaler step failed: %s %s", e.status, e.reason)
-            except Exception:
+            except Exception as e:
+                metrics.errored(metrics.error_kind(e))
                 logger.exception("autoscaler step failed")
             await asyncio.sleep(max(0.1, SCRAPE_INTERVAL_S - (time.monotonic() - started)))
 
 
 async def step(target: Target, session: aiohttp.ClientSession) -> Decision | None:
+    """One tick: the pods from the cache (no LIST), their metrics, a decision, a scale, status."""
+    if not _pods.synced.is_set():
+        return None  # the cache's first LIST is not in: no pods is not yet "no pods"
     try:
         spec = InferenceDeploymentSpec.model_validate(target.spec)
     except ValidationError:
@@ -191,18 +221,21 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     if spec.autoscaling is None:
         return None
     params = Params.from_spec(spec.autoscaling, startup_budget_s=spec.server.startup_timeout_seconds)
-    apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
+    apps = client.AppsV1Api(_api())
     name, ns = target.name, target.namespace
     deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
     current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
-    pods = (await asyncio.to_thread(core.list_namespaced_pod, ns, label_selector=selector_string(name))).items
+    pods = _pods.of(ns, name)
     states = {p.metadata.name: pod_state(p) for p in pods}
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
-    metrics = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
+    read = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
+    failed = sum(m is None for m in scraped)
+    if failed:
+        metrics.SCRAPE_FAILURES.labels(ns, name).inc(failed)
     loads = []
     for p in pods:
-        m = metrics.get(p.metadata.name) or {}
+        m = read.get(p.metadata.name) or {}
         loads.append(
             PodLoad(
                 p.metadata.name,
@@ -216,6 +249,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     sample = Sample(time.monotonic(), tuple(sorted(loads, key=lambda p: p.name)))
     target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
     decision = target.scaler.decide(current, params)
+    metrics.decided(ns, name, current, decision.replicas)
     if decision.changed(current):
         await _scale(target, pods, current, decision)
     await _report(target, decision, current)
@@ -268,8 +302,8 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
     }
     now = time.monotonic()
     previous = target.last_status or {}
-    if signals == previous:
-        return
+    if pruned(signals) == pruned(previous):
+        return  # on change only: an unchanged apply is still a request (and a new lastScrapeTime)
     decided = previous.get("lastDecisions") != signals["lastDecisions"]
     if not decided and now - target.last_status_at < STATUS_EVERY_S:
         return
@@ -314,6 +348,7 @@ def _api() -> client.ApiClient:
 
 
 def stop_all() -> None:
+    _feeder.stop()
     for target in list(_targets.values()):
         if target.task is not None:
             target.task.cancel()

@@ -41,6 +41,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
+from kvscale.operator import metrics
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     LABEL_MANAGED_BY,
@@ -184,6 +185,7 @@ def get_resource(namespace: str, name: str) -> dict[str, Any] | None:
 
 def apply_status(namespace: str, name: str, status: dict[str, Any], manager: str) -> None:
     """Server-side apply of `manager`'s own status fields (status.status_apply checks which)."""
+    metrics.STATUS_WRITES.labels(manager).inc()
     client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
         GROUP,
         VERSION,
@@ -274,6 +276,32 @@ def sync(
     `resource`: the resource as a list showed it, read otherwise. Returns the transient error
     (reason, message) to retry, else None. Raises on a failed read or status write.
     """
+    try:
+        error = _sync(namespace, name, apply_all=apply_all, kinds=kinds, seen=seen, resource=resource)
+    except Exception as e:
+        metrics.reconciled("transient_error")
+        metrics.errored(metrics.error_kind(e))
+        raise
+    if error is None:
+        metrics.reconciled("ok")
+    elif error[0] == "ApplyFailed":
+        metrics.reconciled("transient_error")
+        return error
+    else:
+        metrics.reconciled("permanent_error")
+    return None
+
+
+def _sync(
+    namespace: str,
+    name: str,
+    *,
+    apply_all: bool,
+    kinds: Collection[str],
+    seen: dict[str, dict[str, Any] | None] | None,
+    resource: dict[str, Any] | None,
+) -> tuple[str, str] | None:
+    """sync() without the counting: returns the error of this generation, permanent or not."""
     with _lock(namespace, name):
         cr = resource if resource is not None else get_resource(namespace, name)
         if cr is None or cr["metadata"].get("deletionTimestamp"):
@@ -290,6 +318,7 @@ def sync(
             spec = InferenceDeploymentSpec.model_validate(cr["spec"])
         except ValidationError as e:  # the schema admits it, the models do not (e.g. an older CRD)
             first = e.errors()[0]
+            metrics.errored("invalid_spec")
             error = ("InvalidSpec", f"invalid spec: {first['msg']} at {'.'.join(map(str, first['loc']))}")
         bad_name = name_problem(name)  # the same: the CRD's rule on metadata.name is newer
         if bad_name is not None:
@@ -335,7 +364,7 @@ def sync(
             # The autoscaler stopped: its fields go (only an apply by their manager removes them;
             # asked on every sync, so a last write of a stopping autoscaler goes too).
             apply_status(namespace, name, {}, AUTOSCALER_MANAGER)
-        return error if error is not None and error[0] == "ApplyFailed" else None
+        return error
 
 
 def _has_autoscaler_status(cr: dict[str, Any]) -> bool:
@@ -375,6 +404,8 @@ def _apply_children(
             if not drift and not apply_all:
                 seen[kind] = before
                 continue
+            if drift and not apply_all:  # healing: it was deleted or changed by hand
+                metrics.CHILD_REAPPLIES.labels(kind).inc()
             if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
                 handover = replicas_handover(before)
                 if handover is not None:  # switching to autoscaling: keep today's count
@@ -383,6 +414,7 @@ def _apply_children(
         except (ApiException, *NETWORK_ERRORS) as e:
             status = e.status if isinstance(e, ApiException) else None
             reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
+            metrics.errored(metrics.error_kind(e))
             logger.warning("applying %s %s/%s failed: %s", kind, namespace, name, _api_message(e))
             return (reason, f"applying the {kind} failed: {_api_message(e)}"), wrote
         changed = (
@@ -548,8 +580,10 @@ async def _resync_forever() -> None:
                 next_full = time.monotonic() + RESYNC_S
                 await asyncio.to_thread(resync)
         except (ApiException, *NETWORK_ERRORS) as e:
+            metrics.errored(metrics.error_kind(e))
             logger.warning("resync failed: %s", _api_message(e))
-        except Exception:
+        except Exception as e:
+            metrics.errored(metrics.error_kind(e))
             logger.exception("resync failed")
 
 

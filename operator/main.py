@@ -2,7 +2,7 @@
 
     kvscale-operator run [--namespace NS] [--lease-name NAME] [--identity ID] [--health-port 8080]
                          [--lease-duration 15] [--renew-deadline 10] [--retry-period 2]
-                         [--watch-namespace NS ...]
+                         [--liveness-timeout 30] [--watch-namespace NS ...]
     kvscale-operator crd [--markdown]
 
 `run` waits to hold the Lease (standby replicas wait here), then runs the kopf handlers
@@ -25,7 +25,8 @@ import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kvscale.operator.health import DEFAULT_STALL_S, Health, heartbeat, serve, watch_task
 
 logger = logging.getLogger("kvscale.operator")
 EXIT_GRACE_S = 30.0  # after losing the lease, how long kopf may take to stop
@@ -62,21 +63,6 @@ def _namespaced_settings(settings, **_) -> None:
 def _env_number(name: str, kind: type, default: float) -> float:
     value = os.environ.get(name)
     return kind(value) if value else default
-
-
-def _health_server(host: str, port: int) -> None:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            ok = self.path in ("/healthz", "/readyz")
-            self.send_response(200 if ok else 404)
-            self.end_headers()
-            self.wfile.write(b"ok" if ok else b"not found")
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True, name="health").start()
 
 
 def _fenced_login(fence):
@@ -120,13 +106,19 @@ def _timeouts(settings, **_) -> None:
     settings.watching.client_timeout = (settings.watching.server_timeout or 300) + 60
 
 
-async def _lead(lock, fence, namespaces: tuple[str, ...] = ()) -> int:
+async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | None = None) -> int:
     """Run kopf while the lease is ours (leader.keep_renewing); when it is lost, stop kopf and
-    the autoscaler tasks (their writes are refused already, by the fence) and exit 1."""
+    the autoscaler tasks (their writes are refused already, by the fence) and exit 1. A
+    heartbeat on this loop, and kopf's task, tell /healthz whether the loop still runs."""
     import kopf
 
     from kvscale.operator import autoscaler
     from kvscale.operator.leader import keep_renewing
+
+    health = health or Health()
+    health.may_act = fence.may_act
+    health.set_role("leading")
+    beating = asyncio.create_task(heartbeat(health), name="heartbeat")
 
     stop = asyncio.Event()
     lost = False
@@ -136,6 +128,7 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = ()) -> int:
         lost = await keep_renewing(lock, fence, stop)
         if lost:
             logger.error("lost the lease; stopping", extra={"holder": lock.holder()})
+            health.set_role("stopping")
             autoscaler.stop_all()
             stop.set()
             # kopf stops within seconds; should it hang, a fenced process must not linger
@@ -151,10 +144,16 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = ()) -> int:
     keeper = asyncio.create_task(guard())
     try:
         # standalone: our Lease replaces kopf's peering; kopf stops on SIGTERM or on `stop`.
-        await kopf.operator(standalone=True, stop_flag=stop, **kopf_scope(namespaces))
+        running = asyncio.create_task(
+            kopf.operator(standalone=True, stop_flag=stop, **kopf_scope(namespaces)), name="kopf"
+        )
+        watch_task(health, running, "kopf's main task")
+        await running
     finally:
+        health.set_role("stopping")
         stop.set()
         keeper.cancel()
+        beating.cancel()
         autoscaler.stop_all()
         if not lost and not fence.may_act():  # kopf stopped first (e.g. on a refused write)
             logger.error("lost the lease: the renew deadline passed; stopping")
@@ -175,8 +174,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
     handlers.watch_namespaces = args.watch_namespaces  # the resync lists in these only
+    health = Health(args.liveness_timeout)
     if args.health_port:
-        _health_server(args.health_host, args.health_port)
+        serve(health, args.health_host, args.health_port)
     # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
     # with a timeout; the Lease has a client of its own, outside the fence (same settings: no
     # re-sends inside urllib3, so none of its writes leaves after its attempt's deadline).
@@ -192,11 +192,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         extra={"lease": f"{args.namespace}/{args.lease_name}", "identity": args.identity},
     )
     while True:
+        health.beat()  # a standby's heartbeat: this loop (an attempt ends by its deadline)
         try:
             started = lock.try_acquire_or_renew(time.monotonic() + timings.renew_deadline_s)
         except Exception as e:
             logger.warning("reading the lease failed: %s", e)
             started = None
+        else:
+            if started is None:
+                health.set_role("standby")
+        health.beat()
         if started is not None:
             break
         # client-go's jitter (a retry period x [1, 2.2)), so that standbys do not poll in step
@@ -212,7 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if stopping.is_set():
         lock.release(timings.retry_period_s)
         return 0
-    return asyncio.run(_lead(lock, fence, args.watch_namespaces))
+    return asyncio.run(_lead(lock, fence, args.watch_namespaces, health))
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
@@ -255,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         default=_env_number("KVSCALE_RETRY_PERIOD", float, 2.0),
         help="seconds between renewals, and between a standby's tries (env KVSCALE_RETRY_PERIOD)",
     )
-    run.add_argument("--health-port", type=int, default=8080, help="/healthz and /readyz (0: off)")
+    run.add_argument("--health-port", type=int, default=8080, help="/healthz, /readyz and /metrics (0: off)")
+    run.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=_env_number("KVSCALE_LIVENESS_TIMEOUT", float, DEFAULT_STALL_S),
+        help="seconds: /healthz fails when the operator's loop has not ticked for this long; above "
+        "--renew-deadline + 1.2 x --retry-period, a standby's longest wait (env KVSCALE_LIVENESS_TIMEOUT)",
+    )
     run.add_argument(
         "--health-host", default=os.environ.get("KVSCALE_HOST", "0.0.0.0"), help="(env KVSCALE_HOST)"
     )
@@ -276,10 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     crd.set_defaults(func=cmd_crd)
     args = parser.parse_args(argv)
     if args.command == "run":
-        from kvscale.operator.leader import Timings
+        from kvscale.operator.leader import JITTER, Timings
 
         try:
-            Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+            timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
+            if args.liveness_timeout <= timings.renew_deadline_s + JITTER * timings.retry_period_s:
+                raise ValueError(
+                    "--liveness-timeout must exceed --renew-deadline + 1.2 x --retry-period "
+                    "(a standby beats once per attempt and wait)"
+                )
             args.watch_namespaces = watch_namespaces(
                 args.watch_namespaces, os.environ.get("KVSCALE_WATCH_NAMESPACES")
             )

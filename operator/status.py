@@ -56,12 +56,12 @@ OWNED = {
 }
 
 
-def _pruned(value: Any) -> Any:
+def pruned(value: Any) -> Any:
     """Without None values: in an apply, an absent field is "not mine", and null fails the schema."""
     if isinstance(value, dict):
-        return {k: _pruned(v) for k, v in value.items() if v is not None}
+        return {k: pruned(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_pruned(v) for v in value]
+        return [pruned(v) for v in value]
     return value
 
 
@@ -79,7 +79,7 @@ def status_apply(name: str, namespace: str, status: dict[str, Any], manager: str
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": KIND,
         "metadata": {"name": name, "namespace": namespace},
-        "status": _pruned(status),
+        "status": pruned(status),
     }
 
 
@@ -87,7 +87,7 @@ def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     """Whether applying `new` (one writer's fields) would change the live status: status is
     written on change only, never on a timer."""
     current = current or {}
-    new = _pruned(new)
+    new = pruned(new)
     if any(current.get(k) != v for k, v in new.items() if k != "conditions"):
         return True
     live = {c.get("type"): c for c in current.get("conditions") or []}

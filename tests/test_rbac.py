@@ -50,6 +50,7 @@ API_CALLS = {
     "list_pod_disruption_budget_for_all_namespaces": ("policy", "poddisruptionbudgets", "list", "cluster"),
     "list_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "list", "namespaced"),
     "list_namespaced_pod": ("", "pods", "list", "namespaced"),
+    "list_pod_for_all_namespaces": ("", "pods", "list", "cluster"),
     "patch_namespaced_pod": ("", "pods", "patch", "namespaced"),
     "create_namespaced_event": ("", "events", "create", "namespaced"),
     "read_namespaced_lease": ("coordination.k8s.io", "leases", "get", "lease"),
@@ -98,12 +99,20 @@ def bound_roles(objects: list[dict]) -> dict[tuple[str, str | None], dict]:
     return bound
 
 
+# The operator's own watches (operator/pods.py): kubernetes.watch.Watch().stream over a list call.
+WATCH_CALL = re.compile(r"\.stream\(\s*\w+\.(list_\w+)")
+
+
 def operator_calls() -> dict[str, list[str]]:
-    """Client method -> the operator source files that call it."""
+    """Client method -> the operator source files that call it; a list call streamed as a watch
+    also as "NAME:watch"."""
     found: dict[str, list[str]] = {}
     for path in sorted((REPO / "operator").glob("*.py")):
-        for name in CLIENT_CALL.findall(path.read_text()):
+        text = path.read_text()
+        for name in CLIENT_CALL.findall(text):
             found.setdefault(name, []).append(path.name)
+        for name in WATCH_CALL.findall(text):
+            found.setdefault(f"{name}:watch", []).append(path.name)
     return found
 
 
@@ -147,7 +156,9 @@ def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
     """By scope ('cluster', 'namespaced', 'lease'), what the operator needs granted."""
     out: dict[str, set[tuple[str, str, str]]] = {"cluster": set(), "namespaced": set(), "lease": set()}
     for name in operator_calls():
-        group, resource, verb, scope = API_CALLS[name]
+        call, _, watched = name.partition(":")
+        group, resource, verb, scope = API_CALLS[call]
+        verb = watched or verb
         if scope == "cluster" and not clusterwide:
             continue  # handlers.list_resources / list_children list per namespace instead
         out[scope].add((group, resource, verb))
@@ -161,9 +172,10 @@ def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
 
 def test_every_client_call_of_the_operator_is_known_here():
     calls = operator_calls()
-    unknown = {name: files for name, files in calls.items() if name not in API_CALLS}
+    unknown = {name: files for name, files in calls.items() if name.partition(":")[0] not in API_CALLS}
     assert not unknown, f"add these API calls to API_CALLS (and grant them in manifests/): {unknown}"
     assert "patch_namespaced_custom_object_status" in calls and "replace_namespaced_lease" in calls
+    assert {"list_pod_for_all_namespaces:watch", "list_namespaced_pod:watch"} <= set(calls)  # pods.py
 
 
 def test_the_cluster_role_grants_what_blockOwnerDeletion_needs_under_the_admission_plugin():

@@ -550,3 +550,69 @@ def test_every_field_we_set_is_watched_and_nothing_anyone_adds_is(kind):
                 live = as_served(desired()[kind])
                 _at(live, trail[:cut])["addedByOthers"] = "x"
                 assert child_drift(desired()[kind], live) == [], trail[:cut]
+
+
+# --- the operator's metrics move with these code paths ------------------------------------------
+
+
+def _count(metric, *labels) -> float:
+    return metric.labels(*labels)._value.get()
+
+
+def test_syncs_are_counted_by_result_and_errors_by_kind(cluster):
+    from kvscale.operator import metrics
+
+    ok, permanent_, transient = (_count(metrics.RECONCILES, r) for r in metrics.RESULTS)
+    rejected_, transient_api = _count(metrics.ERRORS, "api_rejected"), _count(metrics.ERRORS, "api_transient")
+    reconcile()
+    assert _count(metrics.RECONCILES, "ok") == ok + 1
+    cluster.refuse["Service"] = 503
+    del cluster.objects["Service"]
+    handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+    assert _count(metrics.RECONCILES, "transient_error") == transient + 1
+    assert _count(metrics.ERRORS, "api_transient") == transient_api + 1
+    cluster.refuse["Service"] = 422
+    cluster.resource["metadata"]["generation"] = 2
+    reconcile()
+    assert _count(metrics.RECONCILES, "permanent_error") == permanent_ + 1
+    assert _count(metrics.ERRORS, "api_rejected") == rejected_ + 1
+
+
+def test_a_failed_read_counts_as_a_transient_error_of_its_kind(cluster, monkeypatch):
+    from kvscale.operator import metrics
+
+    def hung(*_):
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(handlers, "get_resource", hung)
+    transient, network = _count(metrics.RECONCILES, "transient_error"), _count(metrics.ERRORS, "network")
+    handlers.sync_or_retry("ns", "tiny")
+    assert _count(metrics.RECONCILES, "transient_error") == transient + 1
+    assert _count(metrics.ERRORS, "network") == network + 1
+
+
+def test_the_healers_reapplies_are_counted_per_kind_and_a_spec_apply_is_not_one(cluster):
+    from kvscale.operator import metrics
+
+    before = {k: _count(metrics.CHILD_REAPPLIES, k) for k in ("Deployment", "Service")}
+    reconcile()  # creates: not a heal
+    assert {k: _count(metrics.CHILD_REAPPLIES, k) for k in before} == before
+    cluster.objects["Deployment"]["spec"]["replicas"] = 7  # kubectl scale
+    deployment_event(cluster)
+    del cluster.objects["Service"]
+    handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+    deployment_event(cluster)  # nothing drifted: nothing re-applied
+    assert _count(metrics.CHILD_REAPPLIES, "Deployment") == before["Deployment"] + 1
+    assert _count(metrics.CHILD_REAPPLIES, "Service") == before["Service"] + 1
+
+
+def test_error_kinds():
+    from kvscale.operator.leader import NotLeader
+    from kvscale.operator.metrics import error_kind
+
+    assert error_kind(ApiException(status=422)) == "api_rejected"
+    assert error_kind(ApiException(status=409)) == "api_transient"
+    assert error_kind(ApiException(status=503)) == "api_transient"
+    assert error_kind(NotLeader("no")) == "not_leader"
+    assert error_kind(ConnectionRefusedError()) == "network"
+    assert error_kind(ValueError("bug")) == "internal"
