@@ -1,5 +1,5 @@
 """The operator's pure parts: the CRD is generated from the models and committed, the children
-say what the spec asks, status follows the Deployment (the lease decisions: test_leader.py)."""
+say what the spec asks, status follows the Deployment (the lease decisions: test_leader_election.py)."""
 
 from __future__ import annotations
 
