@@ -120,11 +120,13 @@ def hf_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
 def _download_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     """The init container's variables: huggingface_hub's own (HF_TOKEN, HF_ENDPOINT), its caches
     in /tmp (the root filesystem is read-only), no telemetry, no progress bars (the downloader
-    logs progress lines itself); then the user's (proxies, CA bundles), which win."""
+    logs progress lines itself); then the user's (proxies, CA bundles), which win. The worker
+    image is offline by default (HF_HUB_OFFLINE=1 in the Dockerfile): the download turns it off."""
     m = spec.model
     ours: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "HF_HUB_OFFLINE", "value": "0"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
         {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
     ]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from hub_standin import HubStandIn, Repo, serving
-from model_fixtures import DRAFT
+from model_fixtures import DRAFT, REPO
 from pydantic import ValidationError
 from test_operator_specs import crd_errors, resource, spec_of
 from test_operator_units import deployment_status
@@ -122,7 +122,7 @@ def test_an_hf_model_is_downloaded_by_an_init_container_into_an_emptydir_the_wor
     env = env_of(init)
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
     assert env["HF_ENDPOINT"] == "http://10.0.0.1:8080"
-    assert env["HF_HUB_DISABLE_TELEMETRY"] == "1" and "HF_HUB_OFFLINE" not in env
+    assert env["HF_HUB_DISABLE_TELEMETRY"] == "1" and env["HF_HUB_OFFLINE"] == "0"  # the image says 1
     assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert init["resources"]["limits"] == worker["resources"]["limits"]  # the pod stays Guaranteed
@@ -340,6 +340,18 @@ def test_a_crash_looping_download_is_reported_once(monkeypatch):
     assert synced == ["tiny"] * 3 and handlers.downloads_of("ns", "tiny") == []
 
 
+def worker_image_env() -> dict[str, str]:
+    """The ENV of the Dockerfile's worker stage: what the init container starts with."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    stage = text[text.index("FROM base AS worker") :]
+    env: dict[str, str] = {}
+    for line in stage.splitlines():
+        if line.startswith("ENV "):
+            env.update(pair.split("=", 1) for pair in line[4:].split())
+    assert "HF_HUB_OFFLINE" in env, "the worker image is offline by default"
+    return env
+
+
 def test_the_rendered_init_container_fills_the_folder_the_worker_loads(tmp_path, monkeypatch):
     """The operator's init container (its args and env, the Secret's value in place of the
     secretKeyRef) run against the Hub stand-in: the worker's --model folder is the snapshot."""
@@ -358,6 +370,8 @@ def test_the_rendered_init_container_fills_the_folder_the_worker_loads(tmp_path,
         )
         (init,) = spec["initContainers"]
         root = tmp_path / "volume"  # the hf-models volume, here
+        for name, value in worker_image_env().items():  # the image's ENV, then the container's
+            monkeypatch.setenv(name, value)
         for var in init["env"]:
             ref = (var.get("valueFrom") or {}).get("secretKeyRef")
             value = secrets[(ref["name"], ref["key"])] if ref else var["value"]
