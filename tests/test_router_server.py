@@ -42,10 +42,17 @@ class StandInWorker:
         self.behavior, self.waiting, self.kv = behavior, waiting, kv
         self.received: list[bytes] = []
         self.gate: asyncio.Event | None = None  # when set: the last chunk waits for it
+        self.cancelled = 0
         self.url = ""
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.read())
+        if self.behavior == "hold":  # no answer until the gate opens; notes it if its client left
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         if self.behavior == "503":
             return web.json_response(
                 {"error": {"message": "draining"}}, status=503, headers={"Retry-After": "5"}
@@ -242,6 +249,33 @@ def test_no_retry_after_the_first_byte():
             assert sum(r.state.in_flight.values()) == 0
 
     run(main())
+
+
+def test_a_client_that_leaves_mid_request_frees_its_slot_and_the_worker_sees_it_go():
+    async def main():
+        held, streaming = StandInWorker("hold"), StandInWorker()
+        held.gate, streaming.gate = asyncio.Event(), asyncio.Event()
+        for w in (held, streaming):
+            async with workers(w) as urls, router(urls) as (r, url):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                    with suppress(TimeoutError):  # before any byte (held) or mid-stream (streaming)
+                        async with s.post(url + "/v1/completions", json=BODY) as resp:
+                            await resp.read()
+                for _ in range(100):
+                    if not r.state.in_flight and (w is streaming or held.cancelled):
+                        break
+                    await asyncio.sleep(0.02)
+                assert r.state.in_flight == {}
+                page = await _get(url)
+                assert 'kvscale_router_in_flight_requests{model="tiny"} 0.0' in page
+        assert held.cancelled == 1
+
+    run(main())
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return await r.text()
 
 
 # -- flow control ----------------------------------------------------------------------------------

@@ -300,41 +300,23 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_s)
         tried: list[str] = []
         last: tuple[int, bytes, dict[str, str]] | None = None
-        assert self.session is not None
         while endpoint is not None:
             tried.append(endpoint)
             in_flight = self.metrics.in_flight.labels(label)
             in_flight.inc()
-            try:
-                upstream = await self.session.request(
-                    request.method, endpoint + request.path_qs, data=body, headers=headers, timeout=timeout
+            try:  # released however the attempt ends: answered, refused, failed, or the client left
+                outcome = await self._attempt(
+                    request, endpoint, body, headers, timeout, len(tried) <= c.max_retries
                 )
-            except (aiohttp.ClientConnectionError, TimeoutError) as e:
-                in_flight.dec()
-                self._done(endpoint)
-                logger.info(
-                    "endpoint failed before the first byte", extra={"endpoint": endpoint, "error": repr(e)}
-                )
-                self.metrics.retries.labels("connect").inc()
-                endpoint = self._next(hashes, tried)
-                continue
-            if upstream.status in RETRYABLE_STATUS and len(tried) <= c.max_retries:
-                try:
-                    last = (upstream.status, await upstream.read(), _response_headers(upstream))
-                except aiohttp.ClientError:
-                    last = None
-                finally:
-                    upstream.release()
-                    in_flight.dec()
-                    self._done(endpoint)
-                self.metrics.retries.labels(str(upstream.status)).inc()
-                endpoint = self._next(hashes, tried)
-                continue
-            try:
-                return await self._stream(request, upstream)
             finally:
                 in_flight.dec()
                 self._done(endpoint)
+            if isinstance(outcome, web.StreamResponse):
+                return outcome
+            reason, answer = outcome
+            last = answer or last
+            self.metrics.retries.labels(reason).inc()
+            endpoint = self._next(hashes, tried)
         if last is not None:  # every endpoint tried said 429/503: the last one's answer, as it was
             status, data, hdrs = last
             return web.Response(status=status, body=data, headers=hdrs)
@@ -345,6 +327,40 @@ class Router:
                 503, "no worker could be reached", "server_error", code="no_endpoint", headers=retry_after
             ),
         )
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        endpoint: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+        may_retry: bool,
+    ) -> web.StreamResponse | tuple[str, tuple[int, bytes, dict[str, str]] | None]:
+        """One endpoint's try: the client's response once a byte of it went out, else why to retry
+        (and the worker's refusal, should every endpoint refuse)."""
+        assert self.session is not None
+        try:
+            upstream = await self.session.request(
+                request.method, endpoint + request.path_qs, data=body, headers=headers, timeout=timeout
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            logger.info(
+                "endpoint failed before the first byte", extra={"endpoint": endpoint, "error": repr(e)}
+            )
+            return "connect", None
+        if upstream.status in RETRYABLE_STATUS and may_retry:
+            try:
+                return str(upstream.status), (
+                    upstream.status,
+                    await upstream.read(),
+                    _response_headers(upstream),
+                )
+            except aiohttp.ClientError:
+                return str(upstream.status), None
+            finally:
+                upstream.release()
+        return await self._stream(request, upstream)
 
     def _next(self, hashes: list[int], tried: list[str]) -> str | None:
         """Another endpoint for a retry (never one tried already; a retry does not queue)."""
