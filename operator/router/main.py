@@ -110,8 +110,14 @@ async def serve(args: argparse.Namespace) -> int:
     app = build_app(router)
     # handler_cancellation: a client that disconnects cancels its handler, which leaves the queue
     # or closes its worker connection (the worker aborts the request).
+    # auto_decompress=False, as the worker: bodies go to the workers as they came (a compressed one
+    # is not JSON, a clear 400), and aiohttp 3.14 can hang on a deflate body broken at its end.
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=args.shutdown_timeout
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=args.shutdown_timeout,
+        auto_decompress=False,
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
