@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
@@ -131,3 +132,87 @@ async def _scrape_twice():
     assert seen[good].kv_blocks == 64 and dead not in seen
     assert len(hits) >= 3  # sub-second polling: several scrapes in 0.4 s
     assert scraper.errors >= 1
+
+
+# -- the watch loop, against stand-ins for the API server ----------------------------------------
+class StandInSliceAPI:
+    """A stand-in for the API server's EndpointSlice list (unit tests only; e2e/test_router_endpoints.py
+    runs the watcher against the real one): answers each list with the next scripted state."""
+
+    def __init__(self, states):
+        self.states = list(states)
+
+    def list_namespaced_endpoint_slice(self, namespace, label_selector, _preload_content=True, **kw):
+        from types import SimpleNamespace
+
+        assert label_selector == "kubernetes.io/service-name=tiny" and not _preload_content
+        items, version = self.states.pop(0)
+        return SimpleNamespace(data=json.dumps({"items": items, "metadata": {"resourceVersion": version}}))
+
+
+class StandInWatch:
+    """A stand-in for kubernetes.watch.Watch: each stream() plays the next script (events as the
+    client yields them, then an exception to raise or None for a watch that timed out)."""
+
+    def __init__(self, scripts, versions, watcher):
+        self.scripts, self.versions, self.watcher = scripts, versions, watcher
+
+    def stream(self, func, namespace, resource_version, **kw):
+        assert kw["allow_watch_bookmarks"] and kw["label_selector"] == "kubernetes.io/service-name=tiny"
+        self.versions.append(resource_version)
+        if not self.scripts:
+            self.watcher.stop()
+            return
+        events, error = self.scripts.pop(0)
+        yield from events
+        if error is not None:
+            raise error
+
+    def stop(self):
+        pass
+
+
+def _event(kind, obj):
+    return {"type": kind, "object": None, "raw_object": obj}
+
+
+def test_the_watch_resumes_from_the_last_version_and_lists_again_on_410():
+    from kubernetes.client.exceptions import ApiException
+
+    from kvscale.operator.router.endpoints import SliceWatcher
+
+    a = slice_("a", eps(("10.0.0.1", {"ready": True})))
+    b = {
+        **slice_("b", eps(("10.0.0.2", {"ready": True}))),
+        "metadata": {"name": "b", "resourceVersion": "11"},
+    }
+    b_down = {
+        **slice_("b", eps(("10.0.0.2", {"ready": False}))),
+        "metadata": {"name": "b", "resourceVersion": "31"},
+    }
+    api = StandInSliceAPI([([a], "10"), ([b], "20"), ([a, b], "30")])
+    scripts = [
+        (
+            [_event("ADDED", b), _event("BOOKMARK", {"metadata": {"name": "x", "resourceVersion": "12"}})],
+            None,
+        ),
+        ([_event("ERROR", {"kind": "Status", "code": 410, "reason": "Expired"})], None),  # as an event
+        ([], ApiException(status=410, reason="Gone")),  # as the client raises it
+        ([_event("MODIFIED", b_down)], None),
+    ]
+    versions: list[str] = []
+    published: list[list[str]] = []
+
+    async def main():
+        watcher = SliceWatcher("tiny", "default", api=api)
+        watcher._watch_factory = lambda: StandInWatch(scripts, versions, watcher)
+        watcher.start(published.append)
+        await asyncio.get_running_loop().run_in_executor(None, watcher._thread.join, 10)
+        await asyncio.sleep(0.05)  # the hand-overs queued on the loop
+        return watcher
+
+    watcher = asyncio.run(main())
+    assert versions == ["10", "12", "20", "30", "31"]  # resumed from the bookmark, relisted twice
+    assert watcher.lists == 3 and watcher.synced
+    one, two = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    assert published == [[one], [one, two], [two], [one, two], [one]]

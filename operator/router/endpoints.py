@@ -93,11 +93,14 @@ class SliceWatcher:
         port_name: str | None = None,
         watch_timeout_s: int = 300,
         api: Any = None,
+        watch_factory: Callable[[], Any] | None = None,
     ) -> None:
         self.service, self.namespace, self.port_name = service, namespace, port_name
         self.watch_timeout_s = watch_timeout_s
         self.synced = False
+        self.lists = 0  # how many times it listed (the first, and one per 410 Gone)
         self._api = api
+        self._watch_factory = watch_factory
         self._stop = threading.Event()
         self._watch: Any = None
         self._thread: threading.Thread | None = None
@@ -135,11 +138,14 @@ class SliceWatcher:
         )
         body = json.loads(resp.data)
         slices = {s["metadata"]["name"]: s for s in body.get("items") or []}
+        self.lists += 1
         return slices, body["metadata"]["resourceVersion"]
 
     def _run(self, publish: Callable[[list[str]], None]) -> None:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
+
+        new_watch = self._watch_factory or watch.Watch
 
         slices: dict[str, dict] = {}
         version: str | None = None
@@ -150,7 +156,7 @@ class SliceWatcher:
                     slices, version = self._list()
                     publish(endpoints_from_slices(slices.values(), self.port_name))
                     self.synced = True
-                self._watch = watch.Watch()
+                self._watch = new_watch()
                 stream = self._watch.stream(
                     self._client().list_namespaced_endpoint_slice,
                     self.namespace,
