@@ -1,4 +1,4 @@
-"""The Dockerfile, built for real: both images from a locally made base, each started as a user
+"""The Dockerfile, built for real: its images from a locally made base, each started as a user
 would run it (uid 1000, read-only root filesystem, a tmpfs /tmp). The operator image imports every
 module the operator loads and starts; the worker image serves completions on the fixture model."""
 
