@@ -315,8 +315,9 @@ class Router:
                 return outcome
             reason, answer = outcome
             last = answer or last
-            self.metrics.retries.labels(reason).inc()
             endpoint = self._next(hashes, tried)
+            if endpoint is not None:
+                self.metrics.retries.labels(reason).inc()
         if last is not None:  # every endpoint tried said 429/503: the last one's answer, as it was
             status, data, hdrs = last
             return web.Response(status=status, body=data, headers=hdrs)
