@@ -25,7 +25,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(steps, st.integers(1, 5))
 def test_no_slot_is_leaked_or_handed_twice(seq, max_queued):
     asyncio.run(_play(seq, max_queued))
@@ -37,6 +37,7 @@ async def _play(seq, max_queued):
     def choose(hashes):
         if used[0] < capacity[0]:
             used[0] += 1
+            handed.append(hashes[0])
             return "e"
         return None
 
@@ -45,13 +46,12 @@ async def _play(seq, max_queued):
 
     flow = FlowControl(choose, release, max_queued=max_queued, timeout_s=60)
     waiting: list[asyncio.Task] = []
-    served: list[tuple[str, int]] = []  # (model, arrival number), in the order they were served
+    handed: list[tuple[str, int]] = []  # (model, arrival number), in the order slots were handed
     holding = 0  # slots the served requests hold
     arrivals = {m: 0 for m in "abc"}
 
     async def request(model, n):
-        await flow.acquire(model, [n])
-        served.append((model, n))
+        await flow.acquire(model, [(model, n)])
 
     def settle_done() -> int:
         served_now = 0
@@ -91,5 +91,5 @@ async def _play(seq, max_queued):
     holding += settle_done()
     assert used[0] == holding and len(flow) == 0
     for model in "abc":  # FIFO per model
-        order = [n for m, n in served if m == model]
+        order = [n for m, n in handed if m == model]
         assert order == sorted(order)

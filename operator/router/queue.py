@@ -71,9 +71,14 @@ class FlowControl:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
         except BaseException as e:  # timed out, or cancelled: its client left
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._release(waiter.future.result())  # handed one in the instant it gave up
+            handed = (
+                waiter.future.result() if waiter.future.done() and not waiter.future.cancelled() else None
+            )
             waiter.future.cancel()
+            self._leave(waiter)
+            if handed is not None:  # handed one in the instant it gave up: the next in line gets it
+                self._release(handed)
+                self.dispatch()
             if isinstance(e, TimeoutError):
                 raise QueueTimeout from None
             raise
