@@ -128,6 +128,20 @@ def test_kv_usage_and_queue_steer_away_from_a_loaded_endpoint():
     assert pick(cands, 4) == "b"
 
 
+def test_a_busier_home_keeps_its_prefix_until_requests_queue_there():
+    # The home holds the request's prefix (9 of 10 blocks) and batches more, with more KV in use.
+    home = Candidate("home", kv_usage=0.6, running=3, in_flight=3, prefix_match=9)
+    other = Candidate("other", kv_usage=0.2, running=1, in_flight=1)
+    third = Candidate("third", kv_usage=0.5, running=3, in_flight=3)
+    assert pick([home, other, third], 10) == "home"
+    # Once requests wait there, scraped or sent since the last scrape (in flight beyond running),
+    # the queue score moves it; all three are under the load bound (ceil(1.25 x 8 / 3) = 4).
+    waiting = Candidate("home", kv_usage=0.6, running=3, waiting=4, in_flight=3, prefix_match=9)
+    unseen = Candidate("home", kv_usage=0.6, running=1, in_flight=3, prefix_match=9)
+    assert pick([waiting, other, third], 10) == "other"
+    assert pick([unseen, other, third], 10) == "other"
+
+
 def test_an_endpoint_at_its_limit_takes_nothing_and_none_when_all_are():
     config = PickerConfig(max_waiting=4, max_kv_usage=0.95)
     full_queue = Candidate("a", waiting=4, prefix_match=10)

@@ -10,9 +10,12 @@ Filter, guard, score, pick:
    (c >= 1), so the guard never empties the set; a hot prefix spills to the next-best endpoint.
 3. score, as llm-d's default scheduling profile (prefix-cache-scorer 3, kv-cache-utilization-scorer
    2, queue-scorer 2): prefix = matched blocks / the request's blocks; kv = 1 - kv_usage;
-   queue = 1 - (depth - min) / (max - min) over the endpoints left (1 when all are equal), where
-   depth is the larger of the router's own in-flight count (exact, but blind to other clients) and
-   the scraped running + waiting (every client's, but a scrape interval old).
+   queue = 1 - (queued - min) / (max - min) over the endpoints left (1 when all are equal), where
+   queued is what waits for admission there: the scraped waiting count (every client's, but a
+   scrape old), or, when higher, the router's own requests there beyond the scraped running ones
+   (sent since that scrape). As llm-d's queue-scorer, it counts waiting, not running, requests: a
+   worker batching more requests is not slower to start one more until it queues them, so a busier
+   home keeps its prefixes (the guard bounds how much busier).
 4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
    that equal endpoints split new prefixes between them deterministically, then by name.
 """
@@ -51,8 +54,8 @@ class Candidate:
     prefix_match: int = 0  # leading blocks of this request its index holds
 
     @property
-    def depth(self) -> int:
-        return max(self.in_flight, self.running + self.waiting)
+    def queued(self) -> int:
+        return max(self.waiting, self.in_flight - self.running)
 
 
 def can_take(c: Candidate, config: PickerConfig) -> bool:
@@ -83,12 +86,12 @@ def pick(
         return None
     bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
     able = [c for c in able if c.in_flight < bound]
-    lo, hi = min(c.depth for c in able), max(c.depth for c in able)
+    lo, hi = min(c.queued for c in able), max(c.queued for c in able)
     w = config.weights
 
     def score(c: Candidate) -> float:
         prefix = c.prefix_match / num_blocks if num_blocks else 0.0
-        queue = 1.0 - (c.depth - lo) / (hi - lo) if hi > lo else 1.0
+        queue = 1.0 - (c.queued - lo) / (hi - lo) if hi > lo else 1.0
         return w.prefix * prefix + w.kv * (1.0 - min(1.0, max(0.0, c.kv_usage))) + w.queue * queue
 
     best = max(able, key=lambda c: (score(c), _tie_break(first_block, c.name), c.name))
