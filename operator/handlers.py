@@ -7,9 +7,11 @@ autoscaler owns its own fields, status.py). Everything calls it:
 
 - kopf's create, update (of the spec) and resume handlers apply every child: a spec change can
   drop fields, which only an apply removes (an unchanged apply is a no-op on the API server);
-- watches on the Deployments, Services and PDBs we own (server-side label selectors: only ours
-  are streamed) re-apply a child that was deleted or changed by hand (heal.child_drift), and
-  the Deployment's refresh the status; a child that has not drifted is not sent at all;
+- watches on the Deployments, Services, PDBs, ServiceAccounts, Roles and RoleBindings we own
+  (server-side label selectors: only ours are streamed) re-apply a child that was deleted or
+  changed by hand (heal.child_drift), and the workers' Deployment's refresh the status; a child
+  that has not drifted is not sent at all. The router's Deployment and Service share kinds with
+  the workers': children are keyed (children.child_key), not by kind alone;
 - the resync task in the leader does the same for every resource every RESYNC_S, catching what
   a missed event left behind, and retries transient failures with a doubling backoff.
 
@@ -40,11 +42,18 @@ from urllib3.exceptions import HTTPError
 
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
+    CHILD_KEYS,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
     MANAGER,
+    ROUTER_KEYS,
     Owner,
-    children,
+    all_children,
+    child_key,
+    child_name,
+    endpoint_url,
+    key_of,
+    kind_of,
     replicas_handover,
     selector_string,
 )
@@ -63,16 +72,21 @@ from kvscale.operator.status import compute_status, status_apply, status_changed
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvscale/kvscale-worker:0.1.0"
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvscale/kvscale-router:0.1.0"
 APPLY = "application/apply-patch+yaml"
 API_TIMEOUT_S = 30  # on every call: a hung API server never holds a sync (and its lock) forever
 RESYNC_S = float(os.environ.get("KVSCALE_RESYNC_SECONDS", "300"))
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
-# What kopf watches for each child, with a server-side selector: only our children are streamed.
+CHILD_KINDS = CHILD_KEYS  # what a sync may apply: every child, by key
+# What kopf watches for each kind of child, with a server-side selector: only ours are streamed.
 CHILD_RESOURCES = {
     "Deployment": ("apps", "v1", "deployments"),
     "Service": ("v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
+LISTED_KINDS = tuple(CHILD_RESOURCES)
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
 # No answer, a timeout, a refused or reset connection: retried like a 5xx.
 NETWORK_ERRORS = (HTTPError, OSError)
@@ -87,6 +101,10 @@ _locks_guard = threading.Lock()
 
 def worker_image() -> str:
     return os.environ.get("KVSCALE_WORKER_IMAGE", DEFAULT_WORKER_IMAGE)
+
+
+def router_image() -> str:
+    return os.environ.get("KVSCALE_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE)
 
 
 def now() -> str:
@@ -106,27 +124,53 @@ def _json(response) -> dict[str, Any]:
     return json.loads(response.data)
 
 
-# Per kind: (read, server-side apply, list in all namespaces, list in one) on the typed client.
+# Per kind: (read, server-side apply, list in all namespaces, list in one, delete) on the typed
+# client.
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
+    rbac = client.RbacAuthorizationV1Api(api())
     return {
         "Deployment": (
             apps.read_namespaced_deployment,
             apps.patch_namespaced_deployment,
             apps.list_deployment_for_all_namespaces,
             apps.list_namespaced_deployment,
+            apps.delete_namespaced_deployment,
         ),
         "Service": (
             core.read_namespaced_service,
             core.patch_namespaced_service,
             core.list_service_for_all_namespaces,
             core.list_namespaced_service,
+            core.delete_namespaced_service,
         ),
         "PodDisruptionBudget": (
             policy.read_namespaced_pod_disruption_budget,
             policy.patch_namespaced_pod_disruption_budget,
             policy.list_pod_disruption_budget_for_all_namespaces,
             policy.list_namespaced_pod_disruption_budget,
+            policy.delete_namespaced_pod_disruption_budget,
+        ),
+        "ServiceAccount": (
+            core.read_namespaced_service_account,
+            core.patch_namespaced_service_account,
+            core.list_service_account_for_all_namespaces,
+            core.list_namespaced_service_account,
+            core.delete_namespaced_service_account,
+        ),
+        "Role": (
+            rbac.read_namespaced_role,
+            rbac.patch_namespaced_role,
+            rbac.list_role_for_all_namespaces,
+            rbac.list_namespaced_role,
+            rbac.delete_namespaced_role,
+        ),
+        "RoleBinding": (
+            rbac.read_namespaced_role_binding,
+            rbac.patch_namespaced_role_binding,
+            rbac.list_role_binding_for_all_namespaces,
+            rbac.list_namespaced_role_binding,
+            rbac.delete_namespaced_role_binding,
         ),
     }[kind]
 
@@ -138,6 +182,15 @@ def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         if e.status == 404:
             return None
         raise
+
+
+def delete(kind: str, name: str, namespace: str) -> None:
+    """Delete a child we no longer render (the router, switched off); gone already is fine."""
+    try:
+        _ops(kind)[4](name, namespace, _request_timeout=API_TIMEOUT_S)
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def server_side_apply(obj: dict[str, Any], manager: str = MANAGER) -> dict[str, Any]:
@@ -252,10 +305,10 @@ def sync(
     seen: dict[str, dict[str, Any] | None] | None = None,
     resource: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
-    """Make the resource true: apply its children of `kinds` that need it (all of them with
-    `apply_all`, else those that drifted), then write the reconciler's status if it changed.
+    """Make the resource true: apply its children of `kinds` (child keys) that need it (all of them
+    with `apply_all`, else those that drifted), then write the reconciler's status if it changed.
 
-    `seen`: children as a watch or a list just showed them (None: absent), read otherwise;
+    `seen`: children by key as a watch or a list just showed them (None: absent), read otherwise;
     `resource`: the resource as a list showed it, read otherwise. Returns the transient error
     (reason, message) to retry, else None. Raises on a failed read or status write.
     """
@@ -308,6 +361,7 @@ def sync(
             apply_error=shown,
             applied=applied,
             last_applied=status.get("observedGeneration"),
+            endpoint=endpoint_url(Owner(name, namespace, ""), spec) if spec is not None else None,
         )
         if status_changed(status, new):
             _announce_transitions(cr, previous, new["conditions"])
@@ -341,26 +395,39 @@ def _apply_children(
     name, namespace = cr["metadata"]["name"], cr["metadata"]["namespace"]
     generation = cr["metadata"].get("generation", 0)
     wrote = False
-    for child in children(Owner(name, namespace, cr["metadata"]["uid"]), spec, spec.image or worker_image()):
-        kind = child["kind"]
-        if kind not in kinds:
+    owner = Owner(name, namespace, cr["metadata"]["uid"])
+    rendered = all_children(owner, spec, spec.image or worker_image(), spec.router.image or router_image())
+    keys = {key_of(c) for c in rendered}
+    for key in ROUTER_KEYS:  # the router switched off: what is left of it goes
+        if key in kinds and key not in keys:
+            try:
+                wrote = _remove(key, owner, seen) or wrote
+            except (ApiException, *NETWORK_ERRORS) as e:
+                logger.warning("deleting %s of %s/%s failed: %s", key, namespace, name, _api_message(e))
+                return (
+                    "ApplyFailed",
+                    f"deleting the router's {kind_of(key)} failed: {_api_message(e)}",
+                ), wrote
+    for child in rendered:
+        key, kind, child_name_ = key_of(child), child["kind"], child["metadata"]["name"]
+        if key not in kinds:
             continue
         try:
-            before = seen[kind] if kind in seen else read(kind, name, namespace)
+            before = seen[key] if key in seen else read(kind, child_name_, namespace)
             drift = child_drift(child, before)
-            if drift and kind in seen:  # an event or a list may be behind: ask before writing
-                before = seen[kind] = read(kind, name, namespace)
+            if drift and key in seen:  # an event or a list may be behind: ask before writing
+                before = seen[key] = read(kind, child_name_, namespace)
                 drift = child_drift(child, before)
             if before is not None and before["metadata"].get("deletionTimestamp"):
                 continue  # its DELETED event brings us back, to create it anew
             if not drift and not apply_all:
-                seen[kind] = before
+                seen[key] = before
                 continue
-            if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
+            if key == "Deployment" and before is not None and "replicas" not in child["spec"]:
                 handover = replicas_handover(before)
                 if handover is not None:  # switching to autoscaling: keep today's count
                     server_side_apply(handover, manager=AUTOSCALER_MANAGER)
-            after = seen[kind] = server_side_apply(child)
+            after = seen[key] = server_side_apply(child)
         except (ApiException, *NETWORK_ERRORS) as e:
             status = e.status if isinstance(e, ApiException) else None
             reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
@@ -371,13 +438,27 @@ def _apply_children(
         )
         wrote = wrote or changed
         if before is None:
-            post_event(cr, "Created", f"created {kind} {name} for generation {generation}")
+            post_event(cr, "Created", f"created {kind} {child_name_} for generation {generation}")
         elif changed and apply_all:
-            post_event(cr, "Updated", f"updated {kind} {name} to generation {generation}")
+            post_event(cr, "Updated", f"updated {kind} {child_name_} to generation {generation}")
         elif changed:
             where = ", ".join(drift[:3]) + (", ..." if len(drift) > 3 else "")
-            post_event(cr, "Reverted", f"re-applied {kind} {name}: {where} had been changed")
+            post_event(cr, "Reverted", f"re-applied {kind} {child_name_}: {where} had been changed")
     return None, wrote
+
+
+def _remove(key: str, owner: Owner, seen: dict[str, dict[str, Any] | None]) -> bool:
+    """Delete the router child `key` if it is there and ours; whether a delete was sent."""
+    kind, name = kind_of(key), child_name(key, owner.name)
+    before = seen[key] if key in seen else read(kind, name, owner.namespace)
+    if before is None or before["metadata"].get("deletionTimestamp"):
+        return False
+    refs = before["metadata"].get("ownerReferences") or []
+    if not any(r.get("uid") == owner.uid for r in refs):
+        return False  # not ours: never delete what someone else made under that name
+    delete(kind, name, owner.namespace)
+    seen[key] = None
+    return True
 
 
 def _announce_transitions(body: Any, previous: list[dict], current: list[dict]) -> None:
@@ -423,12 +504,14 @@ def reconcile(meta: kopf.Meta, retry: int, **_: Any) -> None:
 
 
 def _child_changed(kind: str, body: kopf.Body, type: str | None) -> None:
-    owner = (body["metadata"].get("labels") or {}).get(LABEL_OWNER)
+    labels = body["metadata"].get("labels") or {}
+    owner = labels.get(LABEL_OWNER)
     if not owner:
         return
+    key = child_key(kind, labels)
     # DELETED: gone, or no longer ours to see (someone removed our labels): read it again.
-    seen = {} if type == "DELETED" else {kind: dict(body)}
-    sync_or_retry(body["metadata"]["namespace"], owner, kinds=(kind,), seen=seen)
+    seen = {} if type == "DELETED" else {key: dict(body)}
+    sync_or_retry(body["metadata"]["namespace"], owner, kinds=(key,), seen=seen)
 
 
 @kopf.on.event(*CHILD_RESOURCES["Deployment"])
@@ -446,6 +529,21 @@ def service_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 @kopf.on.event(*CHILD_RESOURCES["PodDisruptionBudget"])
 def pdb_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     _child_changed("PodDisruptionBudget", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["ServiceAccount"])
+def service_account_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("ServiceAccount", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["Role"])
+def role_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("Role", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["RoleBinding"])
+def role_binding_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("RoleBinding", body, type)
 
 
 def list_resources() -> list[dict[str, Any]]:
@@ -475,17 +573,17 @@ def list_children(kind: str) -> list[dict[str, Any]]:
 
 
 def resync() -> None:
-    """Every resource and its children as the API server has them now (four LISTs), through
-    the same sync the watchers use: writes only what drifted or what a missed event left."""
+    """Every resource and its children as the API server has them now (one LIST per kind),
+    through the same sync the watchers use: writes only what drifted or what a missed event left."""
     resources = list_resources()
     live = {
         kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
-        for kind in CHILD_KINDS
+        for kind in LISTED_KINDS
     }
     for cr in resources:
-        key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
-        seen = {kind: live[kind].get(key) for kind in CHILD_KINDS}
-        sync_or_retry(*key, resource=cr, seen=seen)
+        ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+        seen = {key: live[kind_of(key)].get((ns, child_name(key, name))) for key in CHILD_KINDS}
+        sync_or_retry(ns, name, resource=cr, seen=seen)
 
 
 async def _resync_forever() -> None:
