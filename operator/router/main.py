@@ -2,6 +2,7 @@
 
     kvscale-router --service NAME [--namespace NS] [--port-name http] [--port 8000] ...
     kvscale-router --endpoints http://10.0.0.1:8000,http://10.0.0.2:8000 ...   # static: tests, bench
+    kvscale-router --service NAME --scale-deployment NAME ...   # scale from zero (docs/router.md)
 
 With --service, the endpoints are the Service's EndpointSlices (ready, not terminating), watched
 through the API (in-cluster credentials, else KUBECONFIG / ~/.kube/config); the namespace defaults
@@ -26,6 +27,7 @@ from kvscale.operator.router.picker import PickerConfig, Weights
 from kvscale.operator.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.operator.router.server import Router, RouterConfig, build_app
 from kvscale.operator.router.state import POLICIES, RouterState
+from kvscale.operator.router.wake import Waker, scale_up_from_zero
 
 logger = logging.getLogger("kvscale.router")
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -65,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-timeout", type=float, default=1.0)
     p.add_argument("--scrape-concurrency", type=int, default=16)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--scale-deployment",
+        default=None,
+        help="the workers' Deployment: at zero ready workers a request asks it for one replica "
+        "(its scale subresource, in --namespace)",
+    )
+    p.add_argument(
+        "--heartbeat", type=float, default=5.0, help="seconds between SSE comments to a waiting stream"
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=("json", "text"), default="json")
     return p
@@ -101,8 +112,22 @@ def build_router(args: argparse.Namespace) -> Router:
         scrape_interval_s=args.scrape_interval,
         scrape_timeout_s=args.scrape_timeout,
         scrape_concurrency=args.scrape_concurrency,
+        heartbeat_s=args.heartbeat,
     )
-    return Router(state, source, config)
+    waker = None
+    if args.scale_deployment:
+        waker = Waker(scale_up_from_zero(_apps_api(), args.scale_deployment, _namespace(args.namespace)))
+    return Router(state, source, config, waker)
+
+
+def _apps_api():
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.AppsV1Api()
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ from kvscale.operator.router.prefix_index import (
 from kvscale.operator.router.queue import FlowControl, QueueFull, QueueTimeout
 from kvscale.operator.router.scrape import Scraper
 from kvscale.operator.router.state import RouterState, WorkerMetrics
+from kvscale.operator.router.wake import Waker
 from kvscale.worker.server.protocol import APIError
 from kvscale.worker.server.request_body import read_body
 
@@ -68,6 +69,9 @@ class RouterConfig:
     scrape_interval_s: float = 0.25
     scrape_timeout_s: float = 1.0
     scrape_concurrency: int = 16
+    # A stream waiting in the queue this long gets its headers and an SSE comment, and one more
+    # every as long, so proxies and clients keep a long wait (a first worker loading) open.
+    heartbeat_s: float = 5.0
 
 
 def _error(err: APIError) -> web.Response:
@@ -164,9 +168,14 @@ class _EndpointCollector:
         yield from fams.values()
 
 
+WAITING_COMMENT = b": waiting for a worker\n\n"
+
+
 class Router:
-    def __init__(self, state: RouterState, source, config: RouterConfig | None = None) -> None:
-        self.state, self.source = state, source
+    def __init__(
+        self, state: RouterState, source, config: RouterConfig | None = None, waker: Waker | None = None
+    ) -> None:
+        self.state, self.source, self.waker = state, source, waker
         self.config = config or RouterConfig()
         self.metrics = RouterMetrics(self)
         self.flow = FlowControl(
@@ -214,13 +223,15 @@ class Router:
 
     async def stop(self, app: web.Application) -> None:
         self.source.stop()
+        if self.waker is not None:
+            await self.waker.close()
         if self._scraper_task is not None:
             self._scraper_task.cancel()
         if self.session is not None:
             await self.session.close()
 
     # -- requests ---------------------------------------------------------------------------------
-    async def _parse(self, request: web.Request) -> tuple[bytes, str, list[int]]:
+    async def _parse(self, request: web.Request) -> tuple[bytes, str, list[int], bool]:
         limit = self.config.max_body_bytes
         try:
             body = await read_body(request, (limit, limit))
@@ -241,21 +252,22 @@ class Router:
             text = chat_prefix_text(messages) if isinstance(messages, list) else ""
         else:
             text = prompt_prefix_text(payload.get("prompt"))
-        return body, model, block_hashes(model, text, self.config.block_chars, self.config.max_blocks)
+        hashes = block_hashes(model, text, self.config.block_chars, self.config.max_blocks)
+        return body, model, hashes, payload.get("stream") is True
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body, model, hashes = await self._parse(request)
+            body, model, hashes, stream = await self._parse(request)
         except APIError as e:
             self.metrics.rejected.labels("", "invalid").inc()
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
         label = self.metrics.model(model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, hashes)
+        resp = await self._route(request, body, label, hashes, stream)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
@@ -263,14 +275,48 @@ class Router:
         self.metrics.rejected.labels(label, reason).inc()
         return _error(err)
 
+    def _wake(self) -> None:
+        if self.waker is not None and not self.state.endpoints:
+            self.waker.wake()  # no worker ready: ask for one (single-flight)
+
+    async def _acquire(self, request: web.Request, label: str, hashes: list[int], stream: bool):
+        """(an endpoint from flow control, the stream's response if waiting started it). While the
+        request waits: asks for a worker when none is ready, and a stream gets an SSE comment
+        every heartbeat_s (its 200 and headers go with the first)."""
+        self._wake()
+        acquire = asyncio.ensure_future(self.flow.acquire(label, hashes))
+        early: web.StreamResponse | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({acquire}, timeout=self.config.heartbeat_s)
+                if done:
+                    return acquire.result(), early
+                self._wake()
+                if stream:
+                    if early is None:
+                        early = web.StreamResponse(
+                            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                        )
+                        await early.prepare(request)
+                    await early.write(WAITING_COMMENT)
+        except BaseException as e:
+            if not acquire.done():
+                acquire.cancel()  # it leaves the queue
+            elif not acquire.cancelled() and acquire.exception() is None:
+                self._done(acquire.result())  # handed one as its client left: it goes back
+            if isinstance(e, (QueueFull, QueueTimeout)):
+                e.early = early  # type: ignore[attr-defined]
+            raise
+
     async def _route(
-        self, request: web.Request, body: bytes, label: str, hashes: list[int]
+        self, request: web.Request, body: bytes, label: str, hashes: list[int], stream: bool = False
     ) -> web.StreamResponse:
         c = self.config
         retry_after = {"Retry-After": str(c.retry_after_s)}
         queued_at = time.monotonic()
+        early: web.StreamResponse | None = None
         try:
-            endpoint: str | None = await self.flow.acquire(label, hashes)
+            endpoint, early = await self._acquire(request, label, hashes, stream)
         except QueueFull:
             return self._refuse(
                 label,
@@ -283,8 +329,8 @@ class Router:
                     headers=retry_after,
                 ),
             )
-        except QueueTimeout:
-            return self._refuse(
+        except QueueTimeout as e:
+            refusal = self._refuse(
                 label,
                 "queue_timeout",
                 APIError(
@@ -295,6 +341,7 @@ class Router:
                     headers=retry_after,
                 ),
             )
+            return await _as_event(getattr(e, "early", None), refusal)
         self.metrics.queue_wait.observe(time.monotonic() - queued_at)
         headers = self._forward_headers(request)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_s)
@@ -306,7 +353,7 @@ class Router:
             in_flight.inc()
             try:  # released however the attempt ends: answered, refused, failed, or the client left
                 outcome = await self._attempt(
-                    request, endpoint, body, headers, timeout, len(tried) <= c.max_retries
+                    request, endpoint, body, headers, timeout, len(tried) <= c.max_retries, early
                 )
             finally:
                 in_flight.dec()
@@ -320,14 +367,15 @@ class Router:
                 self.metrics.retries.labels(reason).inc()
         if last is not None:  # every endpoint tried said 429/503: the last one's answer, as it was
             status, data, hdrs = last
-            return web.Response(status=status, body=data, headers=hdrs)
-        return self._refuse(
+            return await _as_event(early, web.Response(status=status, body=data, headers=hdrs))
+        refusal = self._refuse(
             label,
             "no_endpoint",
             APIError(
                 503, "no worker could be reached", "server_error", code="no_endpoint", headers=retry_after
             ),
         )
+        return await _as_event(early, refusal)
 
     async def _attempt(
         self,
@@ -337,6 +385,7 @@ class Router:
         headers: dict[str, str],
         timeout: aiohttp.ClientTimeout,
         may_retry: bool,
+        early: web.StreamResponse | None = None,
     ) -> web.StreamResponse | tuple[str, tuple[int, bytes, dict[str, str]] | None]:
         """One endpoint's try: the client's response once a byte of it went out, else why to retry
         (and the worker's refusal, should every endpoint refuse)."""
@@ -361,6 +410,8 @@ class Router:
                 return str(upstream.status), None
             finally:
                 upstream.release()
+        if early is not None:
+            return await self._stream_into(request, upstream, early)
         return await self._stream(request, upstream)
 
     def _next(self, hashes: list[int], tried: list[str]) -> str | None:
@@ -395,6 +446,32 @@ class Router:
         await resp.write_eof()
         return resp
 
+    async def _stream_into(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, early: web.StreamResponse
+    ) -> web.StreamResponse:
+        """The worker's answer into a stream whose 200 and headers already went out (it waited):
+        an SSE answer's chunks as they come; any other answer (an error) as one `data:` event and
+        `data: [DONE]`, which is how OpenAI-compatible servers report an error mid-stream."""
+        try:
+            if upstream.status == 200 and upstream.content_type == "text/event-stream":
+                async for chunk in upstream.content.iter_any():
+                    await early.write(chunk)
+                upstream.release()
+                await early.write_eof()
+                return early
+            data = await upstream.read()
+            upstream.release()
+        except aiohttp.ClientError as e:
+            logger.warning("endpoint failed mid-stream", extra={"error": repr(e)})
+            upstream.close()
+            if request.transport is not None:
+                request.transport.close()
+            return early
+        except BaseException:
+            upstream.close()
+            raise
+        return await _as_event(early, web.Response(status=upstream.status, body=data))
+
     async def models(self, request: web.Request) -> web.StreamResponse:
         """Pass-through to one endpoint (any can answer: they serve the same model)."""
         assert self.session is not None
@@ -421,6 +498,16 @@ class Router:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+
+async def _as_event(early: web.StreamResponse | None, answer: web.Response) -> web.StreamResponse:
+    """`answer` as it is, or, into a stream already started, as its last event."""
+    if early is None:
+        return answer
+    body = answer.body if isinstance(answer.body, bytes) else b"{}"
+    await early.write(b"data: " + body.replace(b"\n", b" ") + b"\n\ndata: [DONE]\n\n")
+    await early.write_eof()
+    return early
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
