@@ -594,6 +594,7 @@ ADMISSION_GRANTS = {
     ("", "serviceaccounts", "delete"),
     ("rbac.authorization.k8s.io", "roles", "delete"),
     ("rbac.authorization.k8s.io", "rolebindings", "delete"),
+    ("inference.networking.k8s.io", "inferencepools", "delete"),
 }
 # Never sent: held because the router's Role grants them (RBAC's escalation check).
 ROUTER_ROLE_GRANTS = {
@@ -602,6 +603,10 @@ ROUTER_ROLE_GRANTS = {
     ("discovery.k8s.io", "endpointslices", "get"),
     ("discovery.k8s.io", "endpointslices", "list"),
     ("discovery.k8s.io", "endpointslices", "watch"),
+}
+# Used only where the InferencePool CRD is installed: e2e/test_router.py installs it.
+POOL_GRANTS = {
+    ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "list", "patch", "create")
 }
 OPERATOR_SA = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": OPERATOR_NS}
 
@@ -661,5 +666,7 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
     autoscaled = any(item.path.name == "test_autoscaling.py" for item in request.session.items)
     if not autoscaled:  # run without the autoscaler's test: its grants cannot have been used
         granted -= AUTOSCALER_GRANTS
+    if not any(item.path.name == "test_router.py" for item in request.session.items):
+        granted -= POOL_GRANTS  # no InferencePool CRD without it
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"RBAC grants verbs the operator never used: {unused}; used: {sorted(used)}"

@@ -51,7 +51,7 @@ class Owner:
 
 # A child is known by its key: its kind, or for the router's Deployment and Service (whose kinds
 # the workers' children share) the kind with a Router prefix.
-WORKER_KEYS = ("Deployment", "Service", "PodDisruptionBudget")
+WORKER_KEYS = ("Deployment", "Service", "PodDisruptionBudget", "InferencePool")
 ROUTER_KEYS = ("RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding")
 CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS
 
@@ -591,7 +591,34 @@ def children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[di
     return [deployment(owner, spec, image), service(owner), pod_disruption_budget(owner)]
 
 
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def inference_pool(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The workers as a Gateway API Inference Extension pool: the same pods and port as the
+    workers' Service, for GIE gateways with their own endpoint picker (the workers export the
+    model-server protocol's metrics). NAME, as the workers' Service."""
+    body: dict[str, Any] = {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(owner),
+        "spec": {"selector": {"matchLabels": selector_labels(owner.name)}, "targetPorts": [{"number": PORT}]},
+    }
+    picker = spec.inference_pool.endpoint_picker
+    if picker is not None:
+        body["spec"]["endpointPickerRef"] = {
+            "group": "",
+            "kind": "Service",
+            "name": picker.name,
+            "port": {"number": picker.port},
+            "failureMode": picker.failure_mode,
+        }
+    return body
+
+
 def all_children(
-    owner: Owner, spec: InferenceDeploymentSpec, image: str, router_image: str
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, router_image: str, pools: bool = False
 ) -> list[dict[str, Any]]:
-    return children(owner, spec, image) + router_children(owner, spec, router_image)
+    """Every child; the InferencePool with `pools` (its CRD is served) unless the spec turns it off."""
+    pool = [inference_pool(owner, spec)] if pools and spec.inference_pool.enabled else []
+    return children(owner, spec, image) + pool + router_children(owner, spec, router_image)

@@ -40,6 +40,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
+from kvscale.operator import inferencepool
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     CHILD_KEYS,
@@ -86,7 +87,13 @@ CHILD_RESOURCES = {
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
-LISTED_KINDS = tuple(CHILD_RESOURCES)
+LISTED_KINDS = tuple(CHILD_RESOURCES)  # and InferencePool, while its CRD is served
+# Children that are deleted when no longer rendered (the router switched off, a pool turned off).
+REMOVABLE_KEYS = (*ROUTER_KEYS, "InferencePool")
+DISCOVERY_S = float(os.environ.get("KVSCALE_DISCOVERY_SECONDS", "30"))
+# Whether the API server serves InferencePools: asked by the resync task every DISCOVERY_S, read by
+# every sync (never asked by one).
+pools_served = False
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
 # No answer, a timeout, a refused or reset connection: retried like a 5xx.
 NETWORK_ERRORS = (HTTPError, OSError)
@@ -129,6 +136,8 @@ def _json(response) -> dict[str, Any]:
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
     rbac = client.RbacAuthorizationV1Api(api())
+    if kind == "InferencePool":
+        return inferencepool.ops(api())
     return {
         "Deployment": (
             apps.read_namespaced_deployment,
@@ -396,9 +405,13 @@ def _apply_children(
     generation = cr["metadata"].get("generation", 0)
     wrote = False
     owner = Owner(name, namespace, cr["metadata"]["uid"])
-    rendered = all_children(owner, spec, spec.image or worker_image(), spec.router.image or router_image())
+    rendered = all_children(
+        owner, spec, spec.image or worker_image(), spec.router.image or router_image(), pools=pools_served
+    )
     keys = {key_of(c) for c in rendered}
-    for key in ROUTER_KEYS:  # the router switched off: what is left of it goes
+    for key in REMOVABLE_KEYS:  # the router (or the pool) switched off: what is left of it goes
+        if key == "InferencePool" and not pools_served:
+            continue  # no such resource here
         if key in kinds and key not in keys:
             try:
                 wrote = _remove(key, owner, seen) or wrote
@@ -576,21 +589,40 @@ def resync() -> None:
     """Every resource and its children as the API server has them now (one LIST per kind),
     through the same sync the watchers use: writes only what drifted or what a missed event left."""
     resources = list_resources()
+    listed = (*LISTED_KINDS, "InferencePool") if pools_served else LISTED_KINDS
     live = {
         kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
-        for kind in LISTED_KINDS
+        for kind in listed
     }
+    live.setdefault("InferencePool", {})
     for cr in resources:
         ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
         seen = {key: live[kind_of(key)].get((ns, child_name(key, name))) for key in CHILD_KINDS}
         sync_or_retry(ns, name, resource=cr, seen=seen)
 
 
+def refresh_discovery() -> bool:
+    """Ask discovery whether InferencePools are served; whether that changed."""
+    global pools_served
+    now_served = inferencepool.served(api(), API_TIMEOUT_S)
+    changed, pools_served = now_served != pools_served, now_served
+    if changed:
+        logger.info(
+            "InferencePools are %s", "served: applying one per resource" if now_served else "not served"
+        )
+    return changed
+
+
 async def _resync_forever() -> None:
     next_full = time.monotonic() + RESYNC_S
+    next_discovery = time.monotonic()
     while True:
         await asyncio.sleep(1.0)
         try:  # nothing may end this task: it is the safety net
+            if time.monotonic() >= next_discovery:
+                next_discovery = time.monotonic() + DISCOVERY_S
+                if await asyncio.to_thread(refresh_discovery):
+                    next_full = time.monotonic()  # the CRD came (or went): every pool now
             for namespace, name in retries.pop_due():
                 await asyncio.to_thread(sync_or_retry, namespace, name, apply_all=True)
             if time.monotonic() >= next_full:

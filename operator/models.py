@@ -407,6 +407,30 @@ class RouterSpec(_Model):
     memory: Quantity("256Mi") = Field(default="256Mi", description="Memory request and limit per router pod.")
 
 
+class EndpointPickerRef(_Model):
+    """A Gateway API Inference Extension endpoint picker (EPP) Service for the InferencePool."""
+
+    name: ObjectName("a Service") = Field(description="The endpoint picker's Service.")
+    port: int = Field(default=9002, ge=1, le=65535, description="Its ext_proc port (GIE's default).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the picker does not answer (GIE's field).",
+    )
+
+
+class InferencePoolSpec(_Model):
+    """The InferencePool (inference.networking.k8s.io/v1) applied where its CRD is installed."""
+
+    enabled: bool = Field(
+        default=True, description="Apply an InferencePool selecting the workers where the CRD is installed."
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef: a GIE endpoint picker deployed for this pool. "
+        "Unset: none (most gateways then refuse the pool until one is set; docs/router.md).",
+    )
+
+
 class ServerSpec(_Model):
     """The worker's HTTP server and lifecycle."""
 
@@ -709,6 +733,10 @@ class InferenceDeploymentSpec(_Model):
     )
     router: RouterSpec = Field(
         default_factory=RouterSpec, description="The router in front of the workers (on by default)."
+    )
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec,
+        description="A Gateway API Inference Extension InferencePool for the workers.",
     )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,

@@ -16,9 +16,11 @@ from kvscale.operator.children import (
     PRESTOP_SECONDS,
     ROUTER_KEYS,
     Owner,
+    all_children,
     children,
     deployment,
     endpoint_url,
+    inference_pool,
     key_of,
     replicas_handover,
     router_children,
@@ -373,3 +375,74 @@ def test_router_names_are_dns_labels_and_the_endpoint_is_the_routers_service():
         now="t", endpoint=endpoint_url(OWNER, spec()),
     )  # fmt: skip
     assert status["endpoint"] == "http://tiny-router.ns.svc:8000"
+
+
+# --- the InferencePool ----------------------------------------------------------------------
+
+
+def test_the_inference_pool_selects_the_workers_in_gies_v1_fields():
+    pool = inference_pool(OWNER, spec())
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    assert pool["metadata"]["name"] == "tiny" and pool["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": selector_labels("tiny")},
+        "targetPorts": [{"number": 8000}],
+    }
+    picked = inference_pool(OWNER, spec(inferencePool={"endpointPicker": {"name": "tiny-epp"}}))
+    assert picked["spec"]["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "tiny-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    keys = [key_of(c) for c in all_children(OWNER, spec(), "w:1", "r:1", pools=True)]
+    assert "InferencePool" in keys
+    assert "InferencePool" not in [key_of(c) for c in all_children(OWNER, spec(), "w:1", "r:1")]
+    off = spec(inferencePool={"enabled": False})
+    assert "InferencePool" not in [key_of(c) for c in all_children(OWNER, off, "w:1", "r:1", pools=True)]
+
+
+def test_discovery_says_whether_inference_pools_are_served():
+    from kubernetes.client.rest import ApiException
+
+    from kvscale.operator import inferencepool
+
+    class Discovery:  # a stand-in for the API server's discovery document
+        def __init__(self, body=None, status=None):
+            self.body, self.status, self.paths = body, status, []
+
+        def call_api(self, path, method, **_):
+            self.paths.append((method, path))
+            if self.status:
+                raise ApiException(status=self.status, reason="x")
+            return self.body
+
+    api = Discovery({"resources": [{"name": "inferencepools"}, {"name": "inferencepools/status"}]})
+    assert inferencepool.served(api, 5) and api.paths == [("GET", "/apis/inference.networking.k8s.io/v1")]
+    assert not inferencepool.served(Discovery(status=404), 5)
+    assert not inferencepool.served(Discovery({"resources": [{"name": "inferencemodels"}]}), 5)
+    with pytest.raises(ApiException):
+        inferencepool.served(Discovery(status=503), 5)
+
+
+def test_the_pool_fits_the_e2e_test_copy_of_the_upstream_crds_shape():
+    """Every field we render is one the test copy (e2e/testdata) declares, so the e2e test's API
+    server keeps them (an undeclared field would be pruned)."""
+    crd = yaml.safe_load((REPO / "e2e" / "testdata" / "inferencepools-crd.test-copy.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    assert crd["spec"]["group"] + "/" + version["name"] == "inference.networking.k8s.io/v1"
+
+    def declared(schema: dict, value, path: str) -> None:
+        if isinstance(value, dict) and "properties" in schema:
+            for key, sub in value.items():
+                assert key in schema["properties"], f"{path}.{key}"
+                declared(schema["properties"][key], sub, f"{path}.{key}")
+        elif isinstance(value, list):
+            for item in value:
+                declared(schema["items"], item, f"{path}[]")
+
+    pool = inference_pool(
+        OWNER, spec(inferencePool={"endpointPicker": {"name": "epp", "failureMode": "FailOpen"}})
+    )
+    declared(version["schema"]["openAPIV3Schema"]["properties"]["spec"], pool["spec"], "spec")

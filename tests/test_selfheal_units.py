@@ -315,6 +315,7 @@ def cluster(monkeypatch) -> FakeAPI:
     monkeypatch.setattr(handlers, "worker_image", lambda: "img:1")
     monkeypatch.setattr(handlers, "router_image", lambda: "router:1")
     monkeypatch.setattr(handlers, "retries", RetryQueue())
+    monkeypatch.setattr(handlers, "pools_served", False)
     monkeypatch.setattr(
         handlers,
         "post_event",
@@ -345,9 +346,10 @@ def deployment_event(fake: FakeAPI, type_: str | None = "MODIFIED") -> None:
 
 def test_reconcile_creates_the_children_and_an_unchanged_child_is_never_written(cluster):
     reconcile()
-    assert sorted(cluster.objects) == sorted(CHILD_KEYS)  # the workers' and the router's
+    made = sorted(set(CHILD_KEYS) - {"InferencePool"})  # no InferencePool CRD here
+    assert sorted(cluster.objects) == made  # the workers' and the router's
     assert cluster.resource["status"]["observedGeneration"] == 1
-    assert [e[1] for e in cluster.events].count("Created") == len(CHILD_KEYS)
+    assert [e[1] for e in cluster.events].count("Created") == len(made)
     cluster.calls.clear()
     for _ in range(3):  # the Deployment's own events, the Service's, the PDB's: nothing to write
         deployment_event(cluster)
@@ -630,3 +632,30 @@ def test_a_router_object_someone_else_owns_is_never_deleted(cluster):
     }
     reconcile()
     assert "RouterService" in cluster.objects and not [c for c in cluster.calls if c[0] == "delete"]
+
+
+def test_an_inference_pool_is_applied_only_where_served_and_healed_by_the_resync(cluster, monkeypatch):
+    reconcile()
+    assert "InferencePool" not in cluster.objects  # the CRD is not installed: never asked for
+    assert not [c for c in cluster.calls if c[1] == "InferencePool"]
+    monkeypatch.setattr(handlers, "pools_served", True)  # the resync task's discovery saw it come
+    listed = lambda kind: [  # noqa: E731
+        {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
+        for key, o in cluster.objects.items()
+        if kind_of(key) == kind
+    ]
+    monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
+    monkeypatch.setattr(handlers, "list_children", listed)
+    handlers.resync()
+    pool = cluster.objects["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "tiny"
+    cluster.calls.clear()
+    handlers.resync()
+    assert cluster.writes() == []  # as applied: nothing written
+    del cluster.objects["InferencePool"]  # deleted by hand: the next resync puts it back
+    handlers.resync()
+    assert "InferencePool" in cluster.objects
+    cluster.resource["metadata"]["generation"] = 2
+    cluster.resource["spec"] = {**SPEC, "inferencePool": {"enabled": False}}
+    reconcile()
+    assert "InferencePool" not in cluster.objects and ("delete", "InferencePool") in cluster.calls
