@@ -442,7 +442,9 @@ def scales_from_zero(spec: InferenceDeploymentSpec) -> bool:
 def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
     args = ["--service", owner.name, "--port-name", "http", "--port", str(PORT)]
     if scales_from_zero(spec):
-        args += ["--scale-deployment", owner.name]  # the workers' Deployment, through /scale
+        # The workers' Deployment, through /scale; and a request may wait a first worker's startup.
+        args += ["--scale-deployment", owner.name]
+        args += ["--queue-timeout", str(max(60, spec.server.startup_timeout_seconds))]
     return args
 
 

@@ -443,6 +443,8 @@ def _apply_children(
             after = seen[key] = server_side_apply(child)
         except (ApiException, *NETWORK_ERRORS) as e:
             status = e.status if isinstance(e, ApiException) else None
+            if kind == "InferencePool" and status == 404:
+                continue  # its CRD went since the last discovery: the next one notices
             reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
             logger.warning("applying %s %s/%s failed: %s", kind, namespace, name, _api_message(e))
             return (reason, f"applying the {kind} failed: {_api_message(e)}"), wrote

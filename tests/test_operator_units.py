@@ -360,6 +360,8 @@ def test_the_router_follows_its_spec_and_scale_from_zero():
     zero = router_objects(spec(autoscaling={"minReplicas": 0, "maxReplicas": 3}))
     args = zero["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--scale-deployment") + 1] == "tiny"
+    startup = InferenceDeploymentSpec.model_validate({"model": {"uri": "/m"}}).server.startup_timeout_seconds
+    assert args[args.index("--queue-timeout") + 1] == str(max(60, startup))  # waits out a startup
     assert router_children(OWNER, spec(router={"enabled": False}), "router:1") == []
 
 

@@ -659,3 +659,11 @@ def test_an_inference_pool_is_applied_only_where_served_and_healed_by_the_resync
     cluster.resource["spec"] = {**SPEC, "inferencePool": {"enabled": False}}
     reconcile()
     assert "InferencePool" not in cluster.objects and ("delete", "InferencePool") in cluster.calls
+
+
+def test_a_pool_whose_crd_went_since_the_last_discovery_does_not_fail_the_resource(cluster, monkeypatch):
+    monkeypatch.setattr(handlers, "pools_served", True)
+    cluster.refuse["InferencePool"] = 404  # the CRD was deleted a moment ago
+    reconcile()
+    assert degraded(cluster)["status"] == "False" and cluster.resource["status"]["observedGeneration"] == 1
+    assert "Deployment" in cluster.objects and "RouterDeployment" in cluster.objects
