@@ -36,7 +36,8 @@ projection does not feed on the overload it is meant to prevent. Workers without
 fall back to the KV demand's own trend.
 
 The router in front of the workers (operator/router/) sees demand first: its arrivals counter
-is the arrival signal when it was read (it counts requests no worker has seen yet), and the
+is the arrival signal when it was read (it counts requests no worker has seen yet; the workers'
+count where they see more, from clients that bypass it), and the
 requests held in its queue are waiting requests like the workers' own (no worker reports them).
 With minReplicas 0, a resource idle for `scale_to_zero_after_s` (nothing arrived, nothing
 queued at the router or a worker, nothing running) goes to zero; at zero the autoscaler holds
@@ -280,14 +281,15 @@ def _arrival_deltas(a: Sample, b: Sample, routers: bool) -> list[float]:
 
 
 def arrival_rates(samples: Sequence[Sample]) -> list[tuple[float, float]]:
-    """(time, requests/s arriving) for each scrape interval: from the router's `arrivals` counters
-    when it was read (it counts what no worker has seen yet: requests it holds, and at zero
-    workers every request), else the ready workers'."""
+    """(time, requests/s arriving) for each scrape interval: the router's `arrivals` counters when
+    they were read, as they count what no worker has seen yet (requests it holds; at zero workers,
+    every request), or the ready workers' where those count more (clients that bypass the router:
+    the workers' Service, an InferencePool gateway); the workers' alone without a router."""
     out = []
     for a, b in itertools.pairwise(samples):
-        deltas = _arrival_deltas(a, b, routers=True) or _arrival_deltas(a, b, routers=False)
-        if deltas and b.time > a.time:
-            out.append((b.time, sum(deltas) / (b.time - a.time)))
+        routed, direct = _arrival_deltas(a, b, routers=True), _arrival_deltas(a, b, routers=False)
+        if (routed or direct) and b.time > a.time:
+            out.append((b.time, max(sum(routed), sum(direct)) / (b.time - a.time)))
     return out
 
 

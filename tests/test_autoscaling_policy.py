@@ -405,6 +405,12 @@ def test_router_arrivals_are_the_arrival_signal_when_read():
     assert [r for _, r in arrival_rates(frames)] == [5.0, 5.0, 5.0]  # the router's 10 per 2 s
     workers_only = [replace(s, routers=()) for s in frames]
     assert [r for _, r in arrival_rates(workers_only)] == [0.0, 0.0, 0.0]  # the workers saw none new
+    # Clients that bypass the router (the workers' Service): the workers' counters count more.
+    bypass = [
+        Sample(i * TICK, (PodLoad("w0", "ready", 0.2, 0, 1, 6.0 * i),), (router(arrivals=0.0),))
+        for i in range(4)
+    ]
+    assert [r for _, r in arrival_rates(bypass)] == [3.0, 3.0, 3.0]
 
 
 def test_the_routers_metrics_are_read_from_its_own_exposition():
