@@ -26,7 +26,15 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 from test_controlplane import wait_for
-from test_operator import apply, example, get_cr, namespace, operator, wait_ready  # noqa: F401 (fixtures)
+from test_operator import (  # noqa: F401 (fixtures)
+    OPERATOR_USER,
+    apply,
+    example,
+    get_cr,
+    namespace,
+    operator,
+    wait_ready,
+)
 from test_selfheal import audit_lines
 
 TESTDATA = Path(__file__).parent / "testdata"
@@ -140,9 +148,7 @@ def test_from_zero_twenty_requests_make_one_scale_up_all_200_and_idle_goes_back_
     wait_for(at_zero, timeout=240, interval=1, what="the resource to return to zero")
     writers = scale_writes(operator, mark, ns, name)
     assert writers[0] == router_sa and writers.count(router_sa) == 1, writers
-    assert len(writers) == 2 and writers[1] == "system:serviceaccount:kvscale-system:kvscale-operator", (
-        writers
-    )
+    assert len(writers) == 2 and writers[1] == OPERATOR_USER, writers
     decisions = get_cr(operator, name, ns)["status"]["autoscaling"]["lastDecisions"]
     assert "scale to zero 1 -> 0" in decisions[-1]["reason"], decisions
 
