@@ -172,3 +172,27 @@ def test_a_request_served_at_once_is_never_started_early_and_nothing_asks():
             assert asks == []
 
     run(main())
+
+
+def test_the_cli_wakes_only_with_scale_deployment(monkeypatch):
+    from kvscale.operator.router import main
+
+    scale = StandInScale(0)
+    monkeypatch.setattr(main, "_apps_api", lambda: scale)
+    args = main.build_parser().parse_args(
+        [
+            "--endpoints",
+            "http://127.0.0.1:1",
+            "--namespace",
+            "ns",
+            "--scale-deployment",
+            "tiny",
+            "--heartbeat",
+            "2",
+        ]
+    )
+    r = main.build_router(args)
+    assert r.config.heartbeat_s == 2.0 and r.waker is not None
+    assert run(r.waker._scale_up()) is True and scale.updates == [("tiny", "ns", 1)]
+    plain = main.build_router(main.build_parser().parse_args(["--endpoints", "http://127.0.0.1:1"]))
+    assert plain.waker is None and plain.config.heartbeat_s == 5.0
