@@ -606,7 +606,7 @@ def resync() -> None:
 def refresh_discovery() -> bool:
     """Ask discovery whether InferencePools are served; whether that changed."""
     global pools_served
-    now_served = inferencepool.served(api(), API_TIMEOUT_S)
+    now_served = inferencepool.served(client.CustomObjectsApi(api()), API_TIMEOUT_S)
     changed, pools_served = now_served != pools_served, now_served
     if changed:
         logger.info(

@@ -9,6 +9,7 @@ kopf: its watch would fail wherever the CRD is absent; the resync heals a pool (
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kubernetes import client
@@ -17,23 +18,19 @@ from kubernetes.client.rest import ApiException
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 
 
-def served(api: client.ApiClient, timeout_s: float) -> bool:
-    """Whether the API server serves inferencepools in inference.networking.k8s.io/v1 (discovery:
-    a non-resource URL every authenticated user may read, system:discovery)."""
+def served(custom: client.CustomObjectsApi, timeout_s: float) -> bool:
+    """Whether the API server serves inferencepools in inference.networking.k8s.io/v1 (the group
+    version's discovery document: a non-resource URL every authenticated user may read)."""
     try:
-        body = api.call_api(
-            f"/apis/{GROUP}/{VERSION}",
-            "GET",
-            auth_settings=["BearerToken"],
-            response_type="object",
-            _return_http_data_only=True,
-            _request_timeout=timeout_s,
+        response = custom.get_api_resources(
+            GROUP, VERSION, _preload_content=False, _request_timeout=timeout_s
         )
     except ApiException as e:
         if e.status == 404:
             return False
         raise
-    return any(r.get("name") == PLURAL for r in (body or {}).get("resources") or [])
+    body = json.loads(response.data or b"{}")
+    return any(r.get("name") == PLURAL for r in body.get("resources") or [])
 
 
 def ops(api: client.ApiClient):

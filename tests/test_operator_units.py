@@ -3,7 +3,9 @@ say what the spec asks, status follows the Deployment (the lease decisions: test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -410,18 +412,18 @@ def test_discovery_says_whether_inference_pools_are_served():
 
     from kvscale.operator import inferencepool
 
-    class Discovery:  # a stand-in for the API server's discovery document
+    class Discovery:  # a stand-in for the API server's discovery document (tests only)
         def __init__(self, body=None, status=None):
-            self.body, self.status, self.paths = body, status, []
+            self.body, self.status, self.asked = body, status, []
 
-        def call_api(self, path, method, **_):
-            self.paths.append((method, path))
+        def get_api_resources(self, group, version, **kwargs):
+            self.asked.append((group, version, kwargs.get("_preload_content")))
             if self.status:
                 raise ApiException(status=self.status, reason="x")
-            return self.body
+            return SimpleNamespace(data=json.dumps(self.body).encode())
 
     api = Discovery({"resources": [{"name": "inferencepools"}, {"name": "inferencepools/status"}]})
-    assert inferencepool.served(api, 5) and api.paths == [("GET", "/apis/inference.networking.k8s.io/v1")]
+    assert inferencepool.served(api, 5) and api.asked == [("inference.networking.k8s.io", "v1", False)]
     assert not inferencepool.served(Discovery(status=404), 5)
     assert not inferencepool.served(Discovery({"resources": [{"name": "inferencemodels"}]}), 5)
     with pytest.raises(ApiException):
