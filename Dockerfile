@@ -1,6 +1,7 @@
-# kvscale images. One Dockerfile, two published targets:
+# kvscale images. One Dockerfile, three published targets:
 #
 #   docker build --target operator -t ghcr.io/kvscale/kvscale-operator:0.1.0 .   # kopf only, no torch
+#   docker build --target router   -t ghcr.io/kvscale/kvscale-router:0.1.0 .     # the operator's env, no torch
 #   docker build --target worker   -t ghcr.io/kvscale/kvscale-worker:0.1.0 .     # engine + server (CUDA torch)
 #
 # BuildKit is needed (the default builder of current Docker; DOCKER_BUILDKIT=1 on older ones): pip
@@ -74,6 +75,22 @@ EXPOSE 8080
 USER 1000:1000
 ENTRYPOINT ["kvscale-operator"]
 CMD ["run"]
+
+# ---------------------------------------------------------------------------------------------
+# The router (kvscale-router, docs/router.md): cluster-side like the operator and made of the same
+# installed environment (the wheel's `operator` extra: aiohttp, the kubernetes client,
+# prometheus-client, xxhash): it adds only a check and its entrypoint, and never torch.
+FROM operator AS router
+
+RUN python -c "import sys, kvscale.operator.router.main; \
+assert 'torch' not in sys.modules, 'the router image must not load torch'" \
+    && kvscale-router --help >/dev/null
+
+# The OpenAI-compatible API, /health, /ready and /metrics.
+EXPOSE 8000
+USER 1000:1000
+ENTRYPOINT ["kvscale-router"]
+CMD []
 
 # ---------------------------------------------------------------------------------------------
 # The worker (also the default target). torch comes from PyPI: its default Linux x86_64 wheel is

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "kvscale.local/python:3.11-bookworm"
 OPERATOR_IMAGE = "ghcr.io/kvscale/kvscale-operator:0.1.0"
 WORKER_IMAGE = "ghcr.io/kvscale/kvscale-worker:0.1.0"
+ROUTER_IMAGE = "ghcr.io/kvscale/kvscale-router:0.1.0"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 ID_LABEL = "kvscale.dev/docker-image-id"
 
@@ -102,13 +103,13 @@ def pause_image(rt: Runtimes, pause_binary: Path) -> str:
 
 
 def build(rt: Runtimes, log=print) -> Built:
-    """Both targets of the Dockerfile on the local base (BuildKit's layer and pip caches make a
+    """The Dockerfile's targets on the local base (BuildKit's layer and pip caches make a
     rebuild with unchanged dependencies take seconds)."""
     built = Built()
     started = time.monotonic()
     base = base_image(rt, log)
     built.seconds["base"] = time.monotonic() - started
-    for target, tag in (("operator", OPERATOR_IMAGE), ("worker", WORKER_IMAGE)):
+    for target, tag in (("operator", OPERATOR_IMAGE), ("router", ROUTER_IMAGE), ("worker", WORKER_IMAGE)):
         started = time.monotonic()
         log(f"building {tag} (--target {target})...")
         result = rt.docker(

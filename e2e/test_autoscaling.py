@@ -26,6 +26,7 @@ from test_controlplane import wait_for
 from test_operator import apply, example, get_cr, namespace, operator  # noqa: F401 (fixtures)
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+WORKERS = "app.kubernetes.io/name=kvscale-worker"
 
 
 class Load:
@@ -197,7 +198,9 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
 
     wait_for(scaled_down, timeout=300, interval=0.5, what="the scale-down")
     wait_for(
-        lambda: [p.metadata.name for p in core.list_namespaced_pod(ns).items] == [second],
+        lambda: (
+            [p.metadata.name for p in core.list_namespaced_pod(ns, label_selector=WORKERS).items] == [second]
+        ),  # the workers (the router's pod lives on beside them)
         timeout=90,
         interval=0.5,
         what="the least-loaded worker to drain and go",

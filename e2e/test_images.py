@@ -1,4 +1,4 @@
-"""The Dockerfile, built for real: both images from a locally made base, each started as a user
+"""The Dockerfile, built for real: its images from a locally made base, each started as a user
 would run it (uid 1000, read-only root filesystem, a tmpfs /tmp). The operator image imports every
 module the operator loads and starts; the worker image serves completions on the fixture model."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -107,6 +108,61 @@ def test_worker_image_serves_completions_on_the_fixture_model(images):
         assert result.stdout.split("\n")[:2] == ["1000 1000", "rootfs Read-only file system"], result
         config = json.loads(rt.docker("inspect", name, capture=True).stdout)[0]
         assert config["HostConfig"]["ReadonlyRootfs"] is True and config["Config"]["User"] == "1000:1000"
+    finally:
+        stop = rt.docker("stop", "--time", "30", name, capture=True)
+        logs = rt.docker("logs", name, capture=True)
+        rt.docker("rm", "--force", name, capture=True)
+    assert stop.returncode == 0
+    assert "Traceback" not in logs.stderr, logs.stderr[-3000:]
+
+
+def test_router_image_starts_without_torch_and_answers_its_probes(images):
+    """The router image (the operator's environment, its own entrypoint) as a Deployment would run
+    it: a static endpoint where nothing listens, so /ready is 200 and a completion gets a 503 in
+    OpenAI's shape with Retry-After (connection refused: no worker could be reached)."""
+    rt, built = images
+    image, port = built.images["router"], _free_port()
+    check = (
+        "import importlib, pkgutil, sys, kvscale.operator.router as r\n"
+        "mods = [m.name for m in pkgutil.walk_packages(r.__path__, 'kvscale.operator.router.')]\n"
+        "[importlib.import_module(m) for m in mods]\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = rt.docker(
+        "run", "--rm", "--network=none", *LOCKED_DOWN, "--entrypoint", "python", image, "-c", check,
+        capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    name = f"kvscale-router-test-{port}"
+    result = rt.docker(
+        "run", "--detach", "--name", name, "--network=host", *LOCKED_DOWN,
+        image, "--endpoints", f"http://127.0.0.1:{_free_port()}", "--host", "127.0.0.1", "--port", str(port),
+        "--queue-timeout", "1",
+        capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, rt.docker("logs", name, capture=True).stderr
+            time.sleep(0.3)
+        body = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 8}
+        request = urllib.request.Request(
+            f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+        assert json.loads(refused.value.read())["error"]["code"] == "no_endpoint"
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            assert 'kvscale_router_requests_total{model="tiny"} 1.0' in r.read().decode()
     finally:
         stop = rt.docker("stop", "--time", "30", name, capture=True)
         logs = rt.docker("logs", name, capture=True)

@@ -554,14 +554,19 @@ def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operato
 
     cr = wait_ready(operator, "crash", namespace, replicas=1, timeout=180)
     assert cr["status"]["ready"] == "1/1"
-    for kind, lister in (
-        ("Deployment", client.AppsV1Api(operator.api).list_namespaced_deployment),
-        ("Service", core.list_namespaced_service),
-        ("PodDisruptionBudget", client.PolicyV1Api(operator.api).list_namespaced_pod_disruption_budget),
-    ):
-        assert [o.metadata.name for o in lister(namespace).items] == ["crash"], kind
+    for kind, lister, names in (
+        ("Deployment", client.AppsV1Api(operator.api).list_namespaced_deployment, ["crash", "crash-router"]),
+        ("Service", core.list_namespaced_service, ["crash", "crash-router"]),
+        (
+            "PodDisruptionBudget",
+            client.PolicyV1Api(operator.api).list_namespaced_pod_disruption_budget,
+            ["crash"],
+        ),
+    ):  # the workers' children and the router's, once each
+        assert sorted(o.metadata.name for o in lister(namespace).items) == names, kind
     replica_sets = client.AppsV1Api(operator.api).list_namespaced_replica_set(namespace).items
-    assert len(replica_sets) == 1  # the restart did not produce a second pod template
+    workers = [r for r in replica_sets if not r.metadata.name.startswith("crash-router-")]
+    assert len(workers) == 1  # the restart did not produce a second pod template
 
     # A later restart (a new leader resuming every resource) writes nothing to converged children.
     before = children_versions(operator, "crash", namespace)
@@ -608,6 +613,23 @@ ADMISSION_GRANTS = {
     ("apps", "deployments", "delete"),
     ("", "services", "delete"),
     ("policy", "poddisruptionbudgets", "delete"),
+    # Also sent when a router is switched off (handlers._remove): no test here does.
+    ("", "serviceaccounts", "delete"),
+    ("rbac.authorization.k8s.io", "roles", "delete"),
+    ("rbac.authorization.k8s.io", "rolebindings", "delete"),
+    ("inference.networking.k8s.io", "inferencepools", "delete"),
+}
+# Never sent: held because the router's Role grants them (RBAC's escalation check).
+ROUTER_ROLE_GRANTS = {
+    ("apps", "deployments/scale", "get"),
+    ("apps", "deployments/scale", "update"),
+    ("discovery.k8s.io", "endpointslices", "get"),
+    ("discovery.k8s.io", "endpointslices", "list"),
+    ("discovery.k8s.io", "endpointslices", "watch"),
+}
+# Used only where the InferencePool CRD is installed: e2e/test_router.py installs it.
+POOL_GRANTS = {
+    ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "list", "patch", "create")
 }
 OPERATOR_SA = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": OPERATOR_NS}
 
@@ -663,9 +685,11 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
 
     # Some of the children were written: the plugin checked them (and let them through).
     assert used[("apps", "deployments", "create")], sorted(used)
-    granted = operator_grants(operator, REPO / "manifests") - ADMISSION_GRANTS
+    granted = operator_grants(operator, REPO / "manifests") - ADMISSION_GRANTS - ROUTER_ROLE_GRANTS
     autoscaled = any(item.path.name == "test_autoscaling.py" for item in request.session.items)
     if not autoscaled:  # run without the autoscaler's test: its grants cannot have been used
         granted -= AUTOSCALER_GRANTS
+    if not any(item.path.name == "test_router.py" for item in request.session.items):
+        granted -= POOL_GRANTS  # no InferencePool CRD without it
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"RBAC grants verbs the operator never used: {unused}; used: {sorted(used)}"

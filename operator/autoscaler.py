@@ -6,10 +6,10 @@ one, which would write the resource's metadata and keep a resource from being de
 operator is down; see docs/operator.md.) kopf runs only on the Lease holder (main.py), so only
 the leader scales.
 
-Every SCRAPE_INTERVAL_S the task takes its worker pods from the pod cache (pods.py: one
-label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
-`/metrics` from each ready one
-directly (pod IP and port, short timeouts, in parallel), asks `autoscaling.decide`, and on a
+Every SCRAPE_INTERVAL_S the task takes its worker and router pods from the pod cache (pods.py:
+one label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
+`/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; the
+router's queue and arrivals are demand no worker reports yet), asks `autoscaling.decide`, and on a
 change patches the Deployment's scale subresource. Before removing workers it marks the least
 loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
 exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
@@ -34,7 +34,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kvscale.operator import metrics
-from kvscale.operator.autoscaling import Autoscaler, Decision, Params, PodLoad, PodTiming, Sample
+from kvscale.operator.autoscaling import (
+    Autoscaler,
+    Decision,
+    Params,
+    PodLoad,
+    PodTiming,
+    RouterLoad,
+    Sample,
+)
 from kvscale.operator.children import AUTOSCALER_MANAGER, PORT
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 from kvscale.operator.pods import PodCache, PodFeeder
@@ -83,6 +91,26 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+# The router's own families (operator/router/server.py), summed over models.
+ROUTER_METRICS = {
+    "queued": "kvscale_router_queued_requests",
+    "in_flight": "kvscale_router_in_flight_requests",
+    "arrivals": "kvscale_router_requests_total",
+}
+
+
+def parse_router_metrics(text: str) -> dict[str, float]:
+    """The router's queue, in-flight and arrivals counts from its exposition (summed over
+    models); a family it does not export yet (no request so far) reads as 0."""
+    wanted = {v: k for k, v in ROUTER_METRICS.items()}
+    out = dict.fromkeys(ROUTER_METRICS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
 def pod_state(pod: client.V1Pod) -> str:
     if pod.metadata.deletion_timestamp is not None:
         return "terminating"
@@ -110,12 +138,12 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
 
 
-async def scrape(session: aiohttp.ClientSession, ip: str) -> dict[str, float] | None:
+async def scrape(session: aiohttp.ClientSession, ip: str, parse=parse_metrics) -> dict[str, float] | None:
     try:
         async with session.get(f"http://{ip}:{PORT}/metrics") as r:
             if r.status != 200:
                 return None
-            return parse_metrics(await r.text())
+            return parse(await r.text())
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
@@ -246,7 +274,11 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
                 arrivals=m.get("arrivals"),
             )
         )
-    sample = Sample(time.monotonic(), tuple(sorted(loads, key=lambda p: p.name)))
+    sample = Sample(
+        time.monotonic(),
+        tuple(sorted(loads, key=lambda p: p.name)),
+        await _routers(session, _pods.routers_of(ns, name)),
+    )
     target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
     decision = target.scaler.decide(current, params)
     metrics.decided(ns, name, current, decision.replicas)
@@ -254,6 +286,16 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         await _scale(target, pods, current, decision)
     await _report(target, decision, current)
     return decision
+
+
+async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> tuple[RouterLoad, ...]:
+    """The ready router pods' counts (one RouterLoad per pod, values None when unread)."""
+    ready = [p for p in pods if pod_state(p) == "ready"]
+    scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip, parse_router_metrics) for p in ready))
+    return tuple(
+        RouterLoad(p.metadata.name, **(m or {}))
+        for p, m in sorted(zip(ready, scraped, strict=True), key=lambda pm: pm[0].metadata.name)
+    )
 
 
 async def _scale(target: Target, pods: list[client.V1Pod], current: int, decision: Decision) -> None:

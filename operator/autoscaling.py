@@ -33,7 +33,16 @@ whose least-squares trend over the last `trend_window_s` is projected `lookahead
 startup time measured on the pods, at most the startup budget). Arrivals, unlike KV usage, do
 not grow when saturated workers slow down and hold their blocks longer or drain a backlog, so the
 projection does not feed on the overload it is meant to prevent. Workers without the counters
-fall back to the KV demand's own trend. A trend counts only when it is significant: its slope
+fall back to the KV demand's own trend.
+
+The router in front of the workers (operator/router/) sees demand first: its arrivals counter
+is the arrival signal when it was read (it counts requests no worker has seen yet; the workers'
+count where they see more, from clients that bypass it), and the
+requests held in its queue are waiting requests like the workers' own (no worker reports them).
+With minReplicas 0, a resource idle for `scale_to_zero_after_s` (nothing arrived, nothing
+queued at the router or a worker, nothing running) goes to zero; at zero the autoscaler holds
+and the router asks for the first worker when a request arrives (operator/router/wake.py), so
+that one write is the only scale-up from zero. A trend counts only when it is significant: its slope
 must clear `trend_t` standard errors, the error taken from the scatter of the points around the
 line but never under the Poisson noise of the counts, so a flat load's noise adds no workers.
 """
@@ -74,9 +83,25 @@ class PodLoad:
 
 
 @dataclass(frozen=True)
+class RouterLoad:
+    """One router pod at one scrape (its kvscale_router_* metrics summed over models); None: not
+    read."""
+
+    name: str
+    queued: float | None = None  # held in the router's queue: demand no worker reports
+    in_flight: float | None = None  # sent to a worker, not finished
+    arrivals: float | None = None  # requests that arrived at the router (a counter)
+
+
+@dataclass(frozen=True)
 class Sample:
     time: float  # seconds, any monotonic origin
     pods: tuple[PodLoad, ...]
+    routers: tuple[RouterLoad, ...] = ()
+
+    @property
+    def router_queued(self) -> float:
+        return sum(r.queued or 0.0 for r in self.routers)
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,8 @@ class Params:
     # The look-ahead never exceeds this: a worker that does not start within it is restarted by
     # its startup probe (spec.server.startupTimeoutSeconds).
     startup_budget_s: float = 600.0
+    # With min_replicas 0: idle (no arrivals, nothing queued or running) this long -> zero.
+    scale_to_zero_after_s: float = 300.0
 
     @classmethod
     def from_spec(cls, spec, startup_budget_s: float = 600.0) -> Params:
@@ -117,6 +144,7 @@ class Params:
             down_window_s=spec.scale_down_stabilization_seconds,
             max_up_step=spec.max_scale_up_step,
             max_down_step=spec.max_scale_down_step,
+            scale_to_zero_after_s=spec.scale_to_zero_after_seconds,
         )
 
 
@@ -129,11 +157,12 @@ class Signals:
     terminating: int
     known: int  # ready workers whose metrics were read
     total_kv: float  # of the known workers
-    total_waiting: float
+    total_waiting: float  # of the known workers, and the router's queue
     up: int | None  # fewest workers at or under target (None: nothing known)
     up_kv: int | None  # the same from KV usage alone
     demand_kv: float  # workers needed at the KV target, unrounded
     down: int | None  # fewest workers the load fits on with the margin (None: cannot tell)
+    router_queued: float = 0.0  # of total_waiting: held at the router
 
     @property
     def unreadable(self) -> int:
@@ -174,7 +203,8 @@ def signals(sample: Sample, params: Params) -> Signals:
     known = [p for p in ready if p.kv_usage is not None and p.waiting is not None]
     unread = len(ready) - len(known)
     total_kv = sum(p.kv_usage or 0.0 for p in known)
-    total_waiting = sum(p.waiting or 0.0 for p in known)
+    # Requests held at the router wait for a worker as much as those queued on one.
+    total_waiting = sum(p.waiting or 0.0 for p in known) + sample.router_queued
     demand_kv = total_kv / params.target_kv_usage + unread
     up = up_kv = down = None
     if known:
@@ -197,6 +227,7 @@ def signals(sample: Sample, params: Params) -> Signals:
         up_kv=up_kv,
         demand_kv=demand_kv,
         down=down,
+        router_queued=sample.router_queued,
     )
 
 
@@ -238,20 +269,48 @@ def fit_trend(points: Sequence[tuple[float, float]], noise_var: float = 0.0) -> 
     return Trend(my + slope * (points[-1][0] - mx), slope, math.sqrt(max(scatter, noise_var) / sxx))
 
 
+def _arrival_deltas(a: Sample, b: Sample, routers: bool) -> list[float]:
+    """Each counter's increase between two samples (read at both ends; a reset counts as 0)."""
+    if routers:
+        before = {r.name: r.arrivals for r in a.routers if r.arrivals is not None}
+        now = [(r.name, r.arrivals) for r in b.routers if r.arrivals is not None]
+    else:
+        before = {p.name: p.arrivals for p in a.pods if p.state == "ready" and p.arrivals is not None}
+        now = [(p.name, p.arrivals) for p in b.pods if p.state == "ready" and p.arrivals is not None]
+    return [max(0.0, v - before[n]) for n, v in now if n in before]
+
+
 def arrival_rates(samples: Sequence[Sample]) -> list[tuple[float, float]]:
-    """(time, requests/s arriving at the ready workers) for each scrape interval, from the workers'
-    `arrivals` counters (pods read at both ends of the interval; a counter reset counts as 0)."""
+    """(time, requests/s arriving) for each scrape interval: the router's `arrivals` counters when
+    they were read, as they count what no worker has seen yet (requests it holds; at zero workers,
+    every request), or the ready workers' where those count more (clients that bypass the router:
+    the workers' Service, an InferencePool gateway); the workers' alone without a router."""
     out = []
     for a, b in itertools.pairwise(samples):
-        before = {p.name: p.arrivals for p in a.pods if p.state == "ready" and p.arrivals is not None}
-        deltas = [
-            max(0.0, p.arrivals - before[p.name])
-            for p in b.pods
-            if p.state == "ready" and p.arrivals is not None and p.name in before
-        ]
-        if deltas and b.time > a.time:
-            out.append((b.time, sum(deltas) / (b.time - a.time)))
+        routed, direct = _arrival_deltas(a, b, routers=True), _arrival_deltas(a, b, routers=False)
+        if (routed or direct) and b.time > a.time:
+            out.append((b.time, max(sum(routed), sum(direct)) / (b.time - a.time)))
     return out
+
+
+def idle(sample: Sample) -> bool:
+    """Nothing queued or running anywhere at this scrape (unread counts as busy)."""
+    ready = [p for p in sample.pods if p.state == "ready"]
+    if any(p.waiting is None or p.running is None or p.waiting + p.running > 0 for p in ready):
+        return False
+    return all(r.queued == 0 and r.in_flight == 0 for r in sample.routers)
+
+
+def idle_for(history: Sequence[Sample], now: float, seconds: float) -> bool:
+    """Idle at every scrape of the last `seconds` (history covering them), with no arrival in
+    between, at the router or any worker."""
+    samples, covered = _window(history, now, seconds)
+    if not covered or not all(idle(s) for s in samples):
+        return False
+    return not any(
+        sum(_arrival_deltas(a, b, routers=True)) + sum(_arrival_deltas(a, b, routers=False)) > 0
+        for a, b in itertools.pairwise(samples)
+    )
 
 
 def _projected(history: Sequence[Sample], now: float, params: Params, demand: float) -> tuple[float, str]:
@@ -306,8 +365,9 @@ def _fmt(s: Signals, params: Params) -> str:
     kv = "?" if s.mean_kv is None else f"{s.mean_kv:.2f}"
     q = "?" if s.mean_waiting is None else f"{s.mean_waiting:.1f}"
     unread = f", {s.unreadable} unreadable (counted at target)" if s.unreadable else ""
+    held = f" ({s.router_queued:g} at the router)" if s.router_queued else ""
     return (
-        f"KV usage {kv} (target {params.target_kv_usage:g}), waiting {q}/worker "
+        f"KV usage {kv} (target {params.target_kv_usage:g}), waiting {q}/worker{held} "
         f"(target {params.target_queue:g}), {s.ready} ready, {s.starting} starting{unread}"
     )
 
@@ -325,6 +385,8 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
         return Decision(current, "no metrics yet")
     now = history[-1].time if now is None else now
     latest = signals(history[-1], params)
+    if current == 0:  # the router asks for the first worker when a request arrives (wake.py)
+        return Decision(0, "at zero: the router asks for a worker when a request arrives", latest)
     if latest.ready == 0:
         return Decision(current, f"holding: no worker ready ({latest.starting} starting)", latest)
     text = _fmt(latest, params)
@@ -351,9 +413,14 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
 
     # Down: the highest recommendation of the down-window, so the load must have fitted on fewer
     # workers the whole time, with the margin under target ("the N-1 fit").
-    if loading or latest.terminating:
+    if loading or latest.terminating:  # a pod not yet Ready is never what is scaled away
         why = "workers starting" if loading else "workers terminating"
         return Decision(current, f"holding ({why}): {text}", latest)
+    if lo == 0 and idle_for(history, now, params.scale_to_zero_after_s):
+        victims = least_loaded(history[-1].pods, current)
+        return Decision(
+            0, f"scale to zero {current} -> 0: idle for {params.scale_to_zero_after_s:g}s", latest, victims
+        )
     down_samples, down_covered = _window(history, now, params.down_window_s)
     downs = [signals(s, params).down for s in down_samples]
     if down_covered and downs and all(d is not None for d in downs):
@@ -436,7 +503,9 @@ class Autoscaler:
         if self.history and sample.time < self.history[-1].time:
             self.history.clear()  # a clock that went back: the windows are meaningless
         self.history.append(sample)
-        keep = max(params.up_window_s, params.down_window_s, params.trend_window_s) + 2 * self.interval_s
+        windows = (params.up_window_s, params.down_window_s, params.trend_window_s)
+        zero = params.scale_to_zero_after_s if params.min_replicas == 0 else 0.0
+        keep = max(*windows, zero) + 2 * self.interval_s
         while len(self.history) > 1 and self.history[1].time <= sample.time - keep:
             self.history.popleft()
 

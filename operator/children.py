@@ -1,8 +1,10 @@
 """Pure functions: an InferenceDeployment spec -> the manifests of its children.
 
-Deployment (the worker pods), Service (their OpenAI endpoint) and PodDisruptionBudget, each owned
-by the resource (garbage-collected with it) and labelled for selection and for our event handler.
-No I/O here: the handlers apply what these return.
+Deployment (the worker pods), Service (their OpenAI endpoint) and PodDisruptionBudget, and with
+`spec.router.enabled` (the default) the router: its Deployment and Service (NAME-router) and its
+ServiceAccount, Role and RoleBinding. Each is owned by the resource (garbage-collected with it)
+and labelled for selection and for our event handler. No I/O here: the handlers apply what
+these return.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
+
+from kubernetes.utils import parse_quantity
 
 from kvscale.operator.models import (
     DNS_LABEL,
@@ -32,7 +36,9 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_OWNER = f"{GROUP}/inference-deployment"
+LABEL_COMPONENT = "app.kubernetes.io/component"
 WORKER = "kvscale-worker"
+ROUTER = "kvscale-router"
 PORT = 8000
 PRESTOP_SECONDS = 5  # endpoints stop routing to a terminating pod before it drains
 MODELS_ROOT = "/models"
@@ -46,6 +52,40 @@ class Owner:
     name: str
     namespace: str
     uid: str
+
+
+# A child is known by its key: its kind, or for the router's Deployment and Service (whose kinds
+# the workers' children share) the kind with a Router prefix.
+WORKER_KEYS = ("Deployment", "Service", "PodDisruptionBudget", "InferencePool")
+ROUTER_KEYS = ("RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding")
+CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS
+
+
+def kind_of(key: str) -> str:
+    return key.removeprefix("Router")
+
+
+def child_key(kind: str, obj_labels: dict[str, str] | None) -> str:
+    router = (obj_labels or {}).get(LABEL_NAME) == ROUTER and kind in ("Deployment", "Service")
+    return f"Router{kind}" if router else kind
+
+
+def key_of(obj: dict[str, Any]) -> str:
+    return child_key(obj["kind"], obj["metadata"].get("labels"))
+
+
+def router_name(name: str) -> str:
+    """NAME-router, a DNS label (at most 63) for any resource name: a long one is cut and keeps
+    a digest, so two resources never share a router."""
+    full = f"{name}-router"
+    if len(full) <= 63:
+        return full
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:45].rstrip('-')}-{digest}-router"
+
+
+def child_name(key: str, name: str) -> str:
+    return name if key in WORKER_KEYS else router_name(name)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -461,5 +501,214 @@ def pod_disruption_budget(owner: Owner) -> dict[str, Any]:
     }
 
 
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The router pods' labels: not the owner label, which the workers' tools select on
+    (`kvscale.dev/inference-deployment=NAME` means the workers)."""
+    return {LABEL_NAME: ROUTER, LABEL_INSTANCE: name}
+
+
+def router_selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in router_selector_labels(name).items())
+
+
+def _router_metadata(owner: Owner) -> dict[str, Any]:
+    meta = _metadata(owner)
+    meta["name"] = router_name(owner.name)
+    meta["labels"] = {
+        **router_selector_labels(owner.name),
+        LABEL_OWNER: owner.name,  # the children's watches select on it
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_COMPONENT: "router",
+    }
+    return meta
+
+
+def scales_from_zero(spec: InferenceDeploymentSpec) -> bool:
+    return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
+
+
+def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
+    args = ["--service", owner.name, "--port-name", "http", "--port", str(PORT)]
+    if scales_from_zero(spec):
+        # The workers' Deployment, through /scale; and a request may wait a first worker's startup.
+        args += ["--scale-deployment", owner.name]
+        args += ["--queue-timeout", str(max(60, spec.server.startup_timeout_seconds))]
+    return args
+
+
+ROUTER_CPU_REQUEST = "100m"
+
+
+def _router_cpu_request(limit: str) -> str:
+    return limit if parse_quantity(limit) < parse_quantity(ROUTER_CPU_REQUEST) else ROUTER_CPU_REQUEST
+
+
+def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+    r = spec.router
+    http = {"path": "/ready", "port": "http"}
+    container = {
+        "name": "router",
+        "image": image,
+        "command": ["kvscale-router"],
+        "args": router_args(owner, spec),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        # A small CPU request (routers of many resources share small nodes), bursting to the limit.
+        "resources": {
+            "requests": {"cpu": _router_cpu_request(r.cpu), "memory": r.memory},
+            "limits": {"cpu": r.cpu, "memory": r.memory},
+        },
+        "readinessProbe": {"httpGet": http, "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    labels_ = {**router_selector_labels(owner.name), LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _router_metadata(owner),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": router_selector_labels(owner.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": labels_,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": router_name(owner.name),
+                    # The router watches EndpointSlices and writes /scale: it needs its token.
+                    "automountServiceAccountToken": True,
+                    "containers": [container],
+                    # Longer than preStop + the router's own drain (--shutdown-timeout, 30 s).
+                    "terminationGracePeriodSeconds": PRESTOP_SECONDS + 30 + 10,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 1000,
+                        "runAsGroup": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "enableServiceLinks": False,
+                },
+            },
+        },
+    }
+
+
+def router_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _router_metadata(owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": router_selector_labels(owner.name),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_role_rules(owner: Owner) -> list[dict[str, Any]]:
+    """What the router sends: a list and watch of the workers' EndpointSlices (endpoints.py), and
+    a read and an update of the workers' Deployment's scale subresource, that one Deployment only
+    (scale from zero)."""
+    return [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "resourceNames": [owner.name],
+            "verbs": ["get", "update"],
+        },
+    ]
+
+
+def router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    name = router_name(owner.name)
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _router_metadata(owner)},
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "Role",
+            "metadata": _router_metadata(owner),
+            "rules": router_role_rules(owner),
+        },
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "RoleBinding",
+            "metadata": _router_metadata(owner),
+            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]
+
+
+def router_children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[dict[str, Any]]:
+    """The router's children; none with the router off (the handlers delete what is left)."""
+    if not spec.router.enabled:
+        return []
+    return [*router_rbac(owner), router_deployment(owner, spec, image), router_service(owner)]
+
+
+def endpoint_url(owner: Owner, spec: InferenceDeploymentSpec) -> str:
+    """Where clients send requests: the router's Service, or without it the workers'."""
+    host = router_name(owner.name) if spec.router.enabled else owner.name
+    return f"http://{host}.{owner.namespace}.svc:{PORT}"
+
+
 def children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[dict[str, Any]]:
+    """The workers' children (Deployment, Service, PDB)."""
     return [deployment(owner, spec, image), service(owner), pod_disruption_budget(owner)]
+
+
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def inference_pool(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The workers as a Gateway API Inference Extension pool: the same pods and port as the
+    workers' Service, for GIE gateways with their own endpoint picker (the workers export the
+    model-server protocol's metrics). NAME, as the workers' Service."""
+    body: dict[str, Any] = {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(owner),
+        "spec": {"selector": {"matchLabels": selector_labels(owner.name)}, "targetPorts": [{"number": PORT}]},
+    }
+    picker = spec.inference_pool.endpoint_picker
+    if picker is not None:
+        body["spec"]["endpointPickerRef"] = {
+            "group": "",
+            "kind": "Service",
+            "name": picker.name,
+            "port": {"number": picker.port},
+            "failureMode": picker.failure_mode,
+        }
+    return body
+
+
+def all_children(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, router_image: str, pools: bool = False
+) -> list[dict[str, Any]]:
+    """Every child; the InferencePool with `pools` (its CRD is served) unless the spec turns it off."""
+    pool = [inference_pool(owner, spec)] if pools and spec.inference_pool.enabled else []
+    return children(owner, spec, image) + pool + router_children(owner, spec, router_image)

@@ -7,9 +7,11 @@ autoscaler owns its own fields, status.py). Everything calls it:
 
 - kopf's create, update (of the spec) and resume handlers apply every child: a spec change can
   drop fields, which only an apply removes (an unchanged apply is a no-op on the API server);
-- watches on the Deployments, Services and PDBs we own (server-side label selectors: only ours
-  are streamed) re-apply a child that was deleted or changed by hand (heal.child_drift), and
-  the Deployment's refresh the status; a child that has not drifted is not sent at all;
+- watches on the Deployments, Services, PDBs, ServiceAccounts, Roles and RoleBindings we own
+  (server-side label selectors: only ours are streamed) re-apply a child that was deleted or
+  changed by hand (heal.child_drift), and the workers' Deployment's refresh the status; a child
+  that has not drifted is not sent at all. The router's Deployment and Service share kinds with
+  the workers': children are keyed (children.child_key), not by kind alone;
 - the resync task in the leader does the same for every resource every RESYNC_S, catching what
   a missed event left behind, and retries transient failures with a doubling backoff;
 - a watch on the worker pods (the same server-side selector) keeps where each pod's hf://
@@ -41,14 +43,21 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from kvscale.operator import metrics
+from kvscale.operator import inferencepool, metrics
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
+    CHILD_KEYS,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
     MANAGER,
+    ROUTER_KEYS,
     Owner,
-    children,
+    all_children,
+    child_key,
+    child_name,
+    endpoint_url,
+    key_of,
+    kind_of,
     replicas_handover,
     selector_string,
 )
@@ -74,16 +83,27 @@ from kvscale.operator.status import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/kvscale/kvscale-worker:0.1.0"
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvscale/kvscale-router:0.1.0"
 APPLY = "application/apply-patch+yaml"
 API_TIMEOUT_S = 30  # on every call: a hung API server never holds a sync (and its lock) forever
 RESYNC_S = float(os.environ.get("KVSCALE_RESYNC_SECONDS", "300"))
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
-# What kopf watches for each child, with a server-side selector: only our children are streamed.
+CHILD_KINDS = CHILD_KEYS  # what a sync may apply: every child, by key
+# What kopf watches for each kind of child, with a server-side selector: only ours are streamed.
 CHILD_RESOURCES = {
     "Deployment": ("apps", "v1", "deployments"),
     "Service": ("v1", "services"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
+LISTED_KINDS = tuple(CHILD_RESOURCES)  # and InferencePool, while its CRD is served
+# Children that are deleted when no longer rendered (the router switched off, a pool turned off).
+REMOVABLE_KEYS = (*ROUTER_KEYS, "InferencePool")
+DISCOVERY_S = float(os.environ.get("KVSCALE_DISCOVERY_SECONDS", "30"))
+# Whether the API server serves InferencePools: asked by the resync task every DISCOVERY_S, read by
+# every sync (never asked by one).
+pools_served = False
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
 POD_RESOURCE = ("v1", "pods")  # the workers carry the same labels
 # No answer, a timeout, a refused or reset connection: retried like a 5xx.
@@ -105,6 +125,10 @@ def worker_image() -> str:
     return os.environ.get("KVSCALE_WORKER_IMAGE", DEFAULT_WORKER_IMAGE)
 
 
+def router_image() -> str:
+    return os.environ.get("KVSCALE_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE)
+
+
 def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -122,27 +146,55 @@ def _json(response) -> dict[str, Any]:
     return json.loads(response.data)
 
 
-# Per kind: (read, server-side apply, list in all namespaces, list in one) on the typed client.
+# Per kind: (read, server-side apply, list in all namespaces, list in one, delete) on the typed
+# client.
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
+    rbac = client.RbacAuthorizationV1Api(api())
+    if kind == "InferencePool":
+        return inferencepool.ops(api())
     return {
         "Deployment": (
             apps.read_namespaced_deployment,
             apps.patch_namespaced_deployment,
             apps.list_deployment_for_all_namespaces,
             apps.list_namespaced_deployment,
+            apps.delete_namespaced_deployment,
         ),
         "Service": (
             core.read_namespaced_service,
             core.patch_namespaced_service,
             core.list_service_for_all_namespaces,
             core.list_namespaced_service,
+            core.delete_namespaced_service,
         ),
         "PodDisruptionBudget": (
             policy.read_namespaced_pod_disruption_budget,
             policy.patch_namespaced_pod_disruption_budget,
             policy.list_pod_disruption_budget_for_all_namespaces,
             policy.list_namespaced_pod_disruption_budget,
+            policy.delete_namespaced_pod_disruption_budget,
+        ),
+        "ServiceAccount": (
+            core.read_namespaced_service_account,
+            core.patch_namespaced_service_account,
+            core.list_service_account_for_all_namespaces,
+            core.list_namespaced_service_account,
+            core.delete_namespaced_service_account,
+        ),
+        "Role": (
+            rbac.read_namespaced_role,
+            rbac.patch_namespaced_role,
+            rbac.list_role_for_all_namespaces,
+            rbac.list_namespaced_role,
+            rbac.delete_namespaced_role,
+        ),
+        "RoleBinding": (
+            rbac.read_namespaced_role_binding,
+            rbac.patch_namespaced_role_binding,
+            rbac.list_role_binding_for_all_namespaces,
+            rbac.list_namespaced_role_binding,
+            rbac.delete_namespaced_role_binding,
         ),
     }[kind]
 
@@ -154,6 +206,15 @@ def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
         if e.status == 404:
             return None
         raise
+
+
+def delete(kind: str, name: str, namespace: str) -> None:
+    """Delete a child we no longer render (the router, switched off); gone already is fine."""
+    try:
+        _ops(kind)[4](name, namespace, _request_timeout=API_TIMEOUT_S)
+    except ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def server_side_apply(obj: dict[str, Any], manager: str = MANAGER) -> dict[str, Any]:
@@ -269,10 +330,10 @@ def sync(
     seen: dict[str, dict[str, Any] | None] | None = None,
     resource: dict[str, Any] | None = None,
 ) -> tuple[str, str] | None:
-    """Make the resource true: apply its children of `kinds` that need it (all of them with
-    `apply_all`, else those that drifted), then write the reconciler's status if it changed.
+    """Make the resource true: apply its children of `kinds` (child keys) that need it (all of them
+    with `apply_all`, else those that drifted), then write the reconciler's status if it changed.
 
-    `seen`: children as a watch or a list just showed them (None: absent), read otherwise;
+    `seen`: children by key as a watch or a list just showed them (None: absent), read otherwise;
     `resource`: the resource as a list showed it, read otherwise. Returns the transient error
     (reason, message) to retry, else None. Raises on a failed read or status write.
     """
@@ -356,6 +417,7 @@ def _sync(
             applied=applied,
             last_applied=status.get("observedGeneration"),
             download=download_condition(downloads_of(namespace, name)),
+            endpoint=endpoint_url(Owner(name, namespace, ""), spec) if spec is not None else None,
         )
         if status_changed(status, new):
             _announce_transitions(cr, previous, new["conditions"])
@@ -389,30 +451,49 @@ def _apply_children(
     name, namespace = cr["metadata"]["name"], cr["metadata"]["namespace"]
     generation = cr["metadata"].get("generation", 0)
     wrote = False
-    for child in children(Owner(name, namespace, cr["metadata"]["uid"]), spec, spec.image or worker_image()):
-        kind = child["kind"]
-        if kind not in kinds:
+    owner = Owner(name, namespace, cr["metadata"]["uid"])
+    rendered = all_children(
+        owner, spec, spec.image or worker_image(), spec.router.image or router_image(), pools=pools_served
+    )
+    keys = {key_of(c) for c in rendered}
+    for key in REMOVABLE_KEYS:  # the router (or the pool) switched off: what is left of it goes
+        if key == "InferencePool" and not pools_served:
+            continue  # no such resource here
+        if key in kinds and key not in keys:
+            try:
+                wrote = _remove(key, owner, seen) or wrote
+            except (ApiException, *NETWORK_ERRORS) as e:
+                logger.warning("deleting %s of %s/%s failed: %s", key, namespace, name, _api_message(e))
+                return (
+                    "ApplyFailed",
+                    f"deleting the router's {kind_of(key)} failed: {_api_message(e)}",
+                ), wrote
+    for child in rendered:
+        key, kind, child_name_ = key_of(child), child["kind"], child["metadata"]["name"]
+        if key not in kinds:
             continue
         try:
-            before = seen[kind] if kind in seen else read(kind, name, namespace)
+            before = seen[key] if key in seen else read(kind, child_name_, namespace)
             drift = child_drift(child, before)
-            if drift and kind in seen:  # an event or a list may be behind: ask before writing
-                before = seen[kind] = read(kind, name, namespace)
+            if drift and key in seen:  # an event or a list may be behind: ask before writing
+                before = seen[key] = read(kind, child_name_, namespace)
                 drift = child_drift(child, before)
             if before is not None and before["metadata"].get("deletionTimestamp"):
                 continue  # its DELETED event brings us back, to create it anew
             if not drift and not apply_all:
-                seen[kind] = before
+                seen[key] = before
                 continue
             if drift and not apply_all:  # healing: it was deleted or changed by hand
                 metrics.CHILD_REAPPLIES.labels(kind).inc()
-            if kind == "Deployment" and before is not None and "replicas" not in child["spec"]:
+            if key == "Deployment" and before is not None and "replicas" not in child["spec"]:
                 handover = replicas_handover(before)
                 if handover is not None:  # switching to autoscaling: keep today's count
                     server_side_apply(handover, manager=AUTOSCALER_MANAGER)
-            after = seen[kind] = server_side_apply(child)
+            after = seen[key] = server_side_apply(child)
         except (ApiException, *NETWORK_ERRORS) as e:
             status = e.status if isinstance(e, ApiException) else None
+            if kind == "InferencePool" and status == 404:
+                continue  # its CRD went since the last discovery: the next one notices
             reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
             metrics.errored(metrics.error_kind(e))
             logger.warning("applying %s %s/%s failed: %s", kind, namespace, name, _api_message(e))
@@ -422,13 +503,27 @@ def _apply_children(
         )
         wrote = wrote or changed
         if before is None:
-            post_event(cr, "Created", f"created {kind} {name} for generation {generation}")
+            post_event(cr, "Created", f"created {kind} {child_name_} for generation {generation}")
         elif changed and apply_all:
-            post_event(cr, "Updated", f"updated {kind} {name} to generation {generation}")
+            post_event(cr, "Updated", f"updated {kind} {child_name_} to generation {generation}")
         elif changed:
             where = ", ".join(drift[:3]) + (", ..." if len(drift) > 3 else "")
-            post_event(cr, "Reverted", f"re-applied {kind} {name}: {where} had been changed")
+            post_event(cr, "Reverted", f"re-applied {kind} {child_name_}: {where} had been changed")
     return None, wrote
+
+
+def _remove(key: str, owner: Owner, seen: dict[str, dict[str, Any] | None]) -> bool:
+    """Delete the router child `key` if it is there and ours; whether a delete was sent."""
+    kind, name = kind_of(key), child_name(key, owner.name)
+    before = seen[key] if key in seen else read(kind, name, owner.namespace)
+    if before is None or before["metadata"].get("deletionTimestamp"):
+        return False
+    refs = before["metadata"].get("ownerReferences") or []
+    if not any(r.get("uid") == owner.uid for r in refs):
+        return False  # not ours: never delete what someone else made under that name
+    delete(kind, name, owner.namespace)
+    seen[key] = None
+    return True
 
 
 def _announce_transitions(body: Any, previous: list[dict], current: list[dict]) -> None:
@@ -474,12 +569,14 @@ def reconcile(meta: kopf.Meta, retry: int, **_: Any) -> None:
 
 
 def _child_changed(kind: str, body: kopf.Body, type: str | None) -> None:
-    owner = (body["metadata"].get("labels") or {}).get(LABEL_OWNER)
+    labels = body["metadata"].get("labels") or {}
+    owner = labels.get(LABEL_OWNER)
     if not owner:
         return
+    key = child_key(kind, labels)
     # DELETED: gone, or no longer ours to see (someone removed our labels): read it again.
-    seen = {} if type == "DELETED" else {kind: dict(body)}
-    sync_or_retry(body["metadata"]["namespace"], owner, kinds=(kind,), seen=seen)
+    seen = {} if type == "DELETED" else {key: dict(body)}
+    sync_or_retry(body["metadata"]["namespace"], owner, kinds=(key,), seen=seen)
 
 
 @kopf.on.event(*CHILD_RESOURCES["Deployment"])
@@ -529,6 +626,21 @@ def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
         sync_or_retry(meta["namespace"], owner, kinds=("Deployment",))
 
 
+@kopf.on.event(*CHILD_RESOURCES["ServiceAccount"])
+def service_account_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("ServiceAccount", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["Role"])
+def role_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("Role", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["RoleBinding"])
+def role_binding_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("RoleBinding", body, type)
+
+
 def list_resources() -> list[dict[str, Any]]:
     """Every resource in the watched namespaces (all of them: one cluster-wide LIST)."""
     custom = client.CustomObjectsApi(api())
@@ -556,24 +668,43 @@ def list_children(kind: str) -> list[dict[str, Any]]:
 
 
 def resync() -> None:
-    """Every resource and its children as the API server has them now (four LISTs), through
-    the same sync the watchers use: writes only what drifted or what a missed event left."""
+    """Every resource and its children as the API server has them now (one LIST per kind),
+    through the same sync the watchers use: writes only what drifted or what a missed event left."""
     resources = list_resources()
+    listed = (*LISTED_KINDS, "InferencePool") if pools_served else LISTED_KINDS
     live = {
         kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
-        for kind in CHILD_KINDS
+        for kind in listed
     }
+    live.setdefault("InferencePool", {})
     for cr in resources:
-        key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
-        seen = {kind: live[kind].get(key) for kind in CHILD_KINDS}
-        sync_or_retry(*key, resource=cr, seen=seen)
+        ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
+        seen = {key: live[kind_of(key)].get((ns, child_name(key, name))) for key in CHILD_KINDS}
+        sync_or_retry(ns, name, resource=cr, seen=seen)
+
+
+def refresh_discovery() -> bool:
+    """Ask discovery whether InferencePools are served; whether that changed."""
+    global pools_served
+    now_served = inferencepool.served(client.CustomObjectsApi(api()), API_TIMEOUT_S)
+    changed, pools_served = now_served != pools_served, now_served
+    if changed:
+        logger.info(
+            "InferencePools are %s", "served: applying one per resource" if now_served else "not served"
+        )
+    return changed
 
 
 async def _resync_forever() -> None:
     next_full = time.monotonic() + RESYNC_S
+    next_discovery = time.monotonic()
     while True:
         await asyncio.sleep(1.0)
         try:  # nothing may end this task: it is the safety net
+            if time.monotonic() >= next_discovery:
+                next_discovery = time.monotonic() + DISCOVERY_S
+                if await asyncio.to_thread(refresh_discovery):
+                    next_full = time.monotonic()  # the CRD came (or went): every pool now
             for namespace, name in retries.pop_due():
                 await asyncio.to_thread(sync_or_retry, namespace, name, apply_all=True)
             if time.monotonic() >= next_full:

@@ -389,7 +389,13 @@ class AutoscalingSpec(_Model):
         ),
     )
 
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest workers.")
+    min_replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="Fewest workers. 0: an idle resource scales to zero (after "
+        "scaleToZeroAfterSeconds) and its router asks for a worker when a request arrives.",
+    )
     max_replicas: int = Field(ge=1, le=1000, description="Most workers.")
     target_kv_cache_usage: float = Field(
         default=0.5,
@@ -423,6 +429,59 @@ class AutoscalingSpec(_Model):
     )
     max_scale_down_step: int = Field(
         default=1, ge=1, le=1000, description="Most workers removed by one decision."
+    )
+    scale_to_zero_after_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86_400,
+        description="With minReplicas 0: scale to zero once nothing arrived, queued or ran this "
+        "long (the router's counts and the workers' alike).",
+    )
+
+
+class RouterSpec(_Model):
+    """The router in front of the workers (kvscale-router): per-request picking by prefix
+    affinity, KV usage and queue depth, flow control, scale from zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Deploy the router and its Service (NAME-router). Off: clients use the "
+        "workers' Service, and minReplicas 0 has nothing to wake the workers.",
+    )
+    replicas: int = Field(default=1, ge=1, le=100, description="Router pods.")
+    image: str | None = Field(
+        default=None,
+        pattern=r"^\S+$",
+        max_length=512,
+        description="Router image. Default: the operator's configured router image.",
+    )
+    cpu: Quantity("500m or 2") = Field(
+        default="1", description="CPU limit per router pod (its request: 100m, or the limit when lower)."
+    )
+    memory: Quantity("256Mi") = Field(default="256Mi", description="Memory request and limit per router pod.")
+
+
+class EndpointPickerRef(_Model):
+    """A Gateway API Inference Extension endpoint picker (EPP) Service for the InferencePool."""
+
+    name: ObjectName("a Service") = Field(description="The endpoint picker's Service.")
+    port: int = Field(default=9002, ge=1, le=65535, description="Its ext_proc port (GIE's default).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the picker does not answer (GIE's field).",
+    )
+
+
+class InferencePoolSpec(_Model):
+    """The InferencePool (inference.networking.k8s.io/v1) applied where its CRD is installed."""
+
+    enabled: bool = Field(
+        default=True, description="Apply an InferencePool selecting the workers where the CRD is installed."
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef: a GIE endpoint picker deployed for this pool. "
+        "Unset: none (most gateways then refuse the pool until one is set; docs/router.md).",
     )
 
 
@@ -689,6 +748,15 @@ class InferenceDeploymentSpec(_Model):
             AUTOSCALED_REPLICAS_MESSAGE,
             lambda s: s.autoscaling is None or s.replicas == 1,
         ),
+        # At zero workers only the router sees a request arrive, and only it asks for a worker.
+        Rule(
+            "!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || "
+            "self.autoscaling.minReplicas > 0 || !has(self.router) || !has(self.router.enabled) || "
+            "self.router.enabled",
+            "autoscaling.minReplicas 0 needs the router (router.enabled): at zero workers only the "
+            "router sees a request arrive and asks for a worker",
+            lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.router.enabled,
+        ),
     )
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -716,6 +784,13 @@ class InferenceDeploymentSpec(_Model):
     )
     server: ServerSpec = Field(
         default_factory=ServerSpec, description="HTTP server and lifecycle of the workers."
+    )
+    router: RouterSpec = Field(
+        default_factory=RouterSpec, description="The router in front of the workers (on by default)."
+    )
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec,
+        description="A Gateway API Inference Extension InferencePool for the workers.",
     )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
@@ -847,6 +922,11 @@ class InferenceDeploymentStatus(_Model):
     ready: str = Field(default="0/0", description="Ready / desired workers, for `kubectl get`.")
     selector: str = Field(
         default="", description="Label selector of the worker pods (for the scale subresource)."
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="The OpenAI endpoint clients use: the router's Service, or the workers' "
+        "without the router.",
     )
     kv_cache_usage: float | None = Field(
         default=None, description="Mean KV-cache occupancy of the ready workers (0-1)."

@@ -26,12 +26,12 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
-from kvscale.operator.children import LABEL_NAME, LABEL_OWNER, WORKER
+from kvscale.operator.children import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
 
 logger = logging.getLogger(__name__)
 
 # Every worker pod of every InferenceDeployment (children.selector_labels), selected by the server.
-POD_SELECTOR = f"{LABEL_NAME}={WORKER},{LABEL_OWNER}"
+POD_SELECTOR = f"{LABEL_NAME} in ({WORKER},{ROUTER})"  # the workers and the routers
 WATCH_S = 300  # the server ends each watch after this long; it is then resumed
 RELIST_S = 1800.0
 RETRY_S = 2.0
@@ -81,6 +81,18 @@ class PodCache:
                 p
                 for p in self._pods.values()
                 if p.metadata.namespace == namespace and (p.metadata.labels or {}).get(LABEL_OWNER) == owner
+            ]
+        return sorted(pods, key=lambda p: p.metadata.name)
+
+    def routers_of(self, namespace: str, owner: str) -> list[client.V1Pod]:
+        """The router pods of one InferenceDeployment (children.router_selector_labels)."""
+        with self._lock:
+            pods = [
+                p
+                for p in self._pods.values()
+                if p.metadata.namespace == namespace
+                and (p.metadata.labels or {}).get(LABEL_NAME) == ROUTER
+                and (p.metadata.labels or {}).get(LABEL_INSTANCE) == owner
             ]
         return sorted(pods, key=lambda p: p.metadata.name)
 

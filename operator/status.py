@@ -45,6 +45,7 @@ OWNED = {
                 "updatedReplicas",
                 "ready",
                 "selector",
+                "endpoint",
                 "conditions",
             }
         ),
@@ -185,6 +186,7 @@ def compute_status(
     applied: bool = True,
     last_applied: int | None = None,
     download: tuple[str, str] | None = None,
+    endpoint: str | None = None,
 ) -> dict[str, Any]:
     """The reconciler's status fields. `desired` is the replica count the spec asks for; None
     when the autoscaler sets it, in which case the Deployment's own spec.replicas is the target.
@@ -194,7 +196,8 @@ def compute_status(
     message is ApplyFailed). `observedGeneration` is the last generation whose children were
     all applied: this one when `applied`, else `last_applied` (None: none yet). Flux and kstatus
     compare it with metadata.generation; each condition says which generation it describes.
-    `download`: download_condition() of the worker pods."""
+    `download`: download_condition() of the worker pods. `endpoint`: the URL clients use
+    (children.endpoint_url), shown as it is."""
     if isinstance(apply_error, str):
         apply_error = ("ApplyFailed", apply_error)
     previous = {c["type"]: c for c in previous_conditions or []}
@@ -275,5 +278,6 @@ def compute_status(
         "updatedReplicas": updated,
         "ready": f"{ready}/{want}",
         "selector": selector,
+        "endpoint": endpoint,
         "conditions": conditions,
     }

@@ -23,6 +23,13 @@ served under each policy:
 - `oracle`: a bound, not a policy: it knows the arrival rate one model load ahead and a worker's
   capacity (static peak's), so the distance to it is what forecasting could still win.
 
+Requests reach the workers through the router's own picking function
+(`kvscale.operator.router.picker.pick`: its filter, bounded-load guard and KV/queue scores; the
+simulated prompts carry no text, so no prefix affinity) and, when no worker can take one, wait in
+a router queue (its 256 bound and 60 s timeout), whose length and arrival count the operator's
+autoscaler reads as it reads the real router's. The `kvscale-round-robin` row is our autoscaler
+behind a round-robin Service instead (`pick_round_robin`: every request to the next worker).
+
 Reported per policy: SLO attainment (share of all requests whose time to first token is under
 the bound; a 429 or an aborted request counts as a miss), replica-seconds (workers loading, ready
 or draining), requests dropped (429) or aborted (drain timeout), and scaling actions.
@@ -43,8 +50,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kvscale.operator.autoscaling import Autoscaler, Params, PodLoad, PodTiming, Sample
+from kvscale.operator.autoscaling import Autoscaler, Params, PodLoad, PodTiming, RouterLoad, Sample
 from kvscale.operator.models import AutoscalingSpec
+from kvscale.operator.router.picker import Candidate, PickerConfig, pick, pick_round_robin
 
 # -- the worker model -------------------------------------------------------------------------
 
@@ -266,6 +274,8 @@ def make_trace(cfg: TraceConfig, rng: random.Random) -> tuple[list[Request], Cal
 class Policy:
     name = ""
     interval_s = 2.0
+    routing = "router"  # or "round-robin": how requests reach the workers
+    router_view: RouterLoad | None = None  # what the router's /metrics says, set before decide
 
     def decide(self, now: float, workers: list[Worker], current: int) -> tuple[int, tuple[str, ...]]:
         raise NotImplementedError
@@ -293,9 +303,18 @@ class KvscalePolicy(Policy):
                     PodLoad(w.name, "ready", w.kv_usage(), len(w.waiting), len(w.running), w.arrivals())
                 )
             timings.append(PodTiming(w.name, w.started_at, w.ready_at if w.ready(now) else None))
-        self.scaler.observe(Sample(now, tuple(pods)), timings, self.params)
+        routers = (self.router_view,) if self.router_view is not None else ()
+        self.scaler.observe(Sample(now, tuple(pods), routers), timings, self.params)
         d = self.scaler.decide(current, self.params)
         return d.replicas, d.victims
+
+
+class RoundRobinServicePolicy(KvscalePolicy):
+    """Our autoscaler with the workers behind a round-robin Service instead of the router: no
+    router queue (a request goes to the next worker, which queues or refuses it), no router view."""
+
+    name = "kvscale-round-robin"
+    routing = "round-robin"
 
 
 class RequestCountPolicy(Policy):
@@ -417,12 +436,19 @@ def run(
         w.started_at = -model.load_time_s
     desired, actions, replica_seconds = initial, 0, 0.0
     next_decision, i, t, timeline = 0.0, 0, 0.0, []
+    held: deque[Request] = deque()  # the router's queue
+    routed, turn = 0, 0
     arrivals = [r.arrival for r in reqs]
     end = duration + 120.0  # let the last requests finish
     while t < end:
         if t >= next_decision and t < duration:
             live = [w for w in workers if w.alive()]
             current = sum(1 for w in live if w.draining_since is None)
+            policy.router_view = (
+                RouterLoad("router", len(held), sum(w.in_flight() for w in live), routed)
+                if policy.routing == "router"
+                else None
+            )
             want, victims = policy.decide(t, live, current)
             if want != current:
                 actions += 1
@@ -440,15 +466,28 @@ def run(
                     w.draining_since = t
             desired = want
             next_decision = t + policy.interval_s
-        # Route arrivals of this tick: to the ready worker with the fewest requests in flight.
+        # Route what waits at the router, then this tick's arrivals, through the router's picker.
         j = bisect.bisect_left(arrivals, t + dt, lo=i)
-        ready = [w for w in workers if w.ready(t)]
-        for r in reqs[i:j]:
-            if not ready:
-                r.dropped = "429"
+        ready = {w.name: w for w in workers if w.ready(t)}
+        while held and t - held[0].arrival > ROUTER_QUEUE_TIMEOUT_S:
+            held.popleft().dropped = "429"  # the router's 503 after its queue timeout
+        pending = [*held, *reqs[i:j]]
+        held.clear()
+        routed += j - i
+        for r in pending:
+            if policy.routing == "round-robin":
+                name = pick_round_robin(_candidates(ready.values()), turn, ROUTER_PICKER)
+                turn += 1
+                if name is None or not ready[name].submit(r):
+                    r.dropped = "429"
                 continue
-            w = min(ready, key=lambda w: w.in_flight())
-            if not w.submit(r):
+            name = None if held else pick(_candidates(ready.values()), 0, routed + len(held), ROUTER_PICKER)
+            if name is None:  # nobody can take it (or others wait first): the router holds it
+                if len(held) >= ROUTER_MAX_QUEUED:
+                    r.dropped = "429"
+                else:
+                    held.append(r)
+            elif not ready[name].submit(r):
                 r.dropped = "429"
         i = j
         alive = 0
@@ -494,6 +533,20 @@ def run(
     )
 
 
+ROUTER_PICKER = PickerConfig()  # the router's defaults (--max-waiting 32, --max-kv-usage 0.95, ...)
+ROUTER_MAX_QUEUED, ROUTER_QUEUE_TIMEOUT_S = 256, 60.0
+
+
+def _candidates(ready) -> list[Candidate]:
+    """What the router knows of each ready worker: its scraped KV usage and counts (fresh here)
+    and its own requests there (all of them: every request goes through the router)."""
+    return [
+        Candidate(w.name, kv_usage=w.kv_usage(), waiting=len(w.waiting), running=len(w.running),
+                  in_flight=w.in_flight())
+        for w in ready
+    ]  # fmt: skip
+
+
 def simulate(
     seed: int = 1,
     duration: float = 3600.0,
@@ -501,7 +554,14 @@ def simulate(
     max_replicas: int = 16,
     model: WorkerModel | None = None,
     trace: TraceConfig | None = None,
-    policies: tuple[str, ...] = ("kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"),
+    policies: tuple[str, ...] = (
+        "kvscale",
+        "kvscale-round-robin",
+        "request-count",
+        "hpa-utilisation",
+        "oracle",
+        "static-peak",
+    ),
     autoscaling: dict | None = None,
 ) -> dict:
     """`autoscaling`: AutoscalingSpec fields (snake_case) overriding its defaults for our policy."""
@@ -513,6 +573,7 @@ def simulate(
     target_requests = 100 / 256 * model.max_num_seqs
     makers: dict[str, Callable[[], Policy]] = {
         "kvscale": lambda: KvscalePolicy(Params.from_spec(spec)),
+        "kvscale-round-robin": lambda: RoundRobinServicePolicy(Params.from_spec(spec)),
         "request-count": lambda: RequestCountPolicy(1, max_replicas, target_requests),
         "hpa-utilisation": lambda: HpaUtilisationPolicy(1, max_replicas),
     }
@@ -612,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-replicas", type=int, default=16)
     parser.add_argument("--load-time", type=float, default=WorkerModel.load_time_s, help="model load seconds")
     parser.add_argument("--kv-blocks", type=int, default=WorkerModel.kv_blocks)
-    parser.add_argument("--policies", default="kvscale,request-count,hpa-utilisation,oracle,static-peak")
+    parser.add_argument(
+        "--policies", default="kvscale,kvscale-round-robin,request-count,hpa-utilisation,oracle,static-peak"
+    )
     parser.add_argument(
         "--set",
         action="append",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvscale.operator.autoscaling import (
     Params,
     PodLoad,
+    RouterLoad,
     Sample,
     arrival_rates,
     decide,
@@ -337,3 +338,101 @@ def test_pod_states():
     pods = [pod("a", True), pod("d", False), pod("e", True, True)]
     assert [pod_state(p) for p in pods] == ["ready", "starting", "terminating"]
     # The startup the look-ahead uses: tests/test_autoscaler_runaway.py.
+
+
+# --- scale to zero and the router's view ---------------------------------------------------------
+
+Z = replace(P, min_replicas=0, scale_to_zero_after_s=20)
+
+
+def idle_pod(name: str = "w0", arrivals: float = 5.0) -> PodLoad:
+    return PodLoad(name, "ready", 0.0, 0.0, 0.0, arrivals)
+
+
+def router(queued: float = 0, in_flight: float = 0, arrivals: float = 10.0) -> RouterLoad:
+    return RouterLoad("r0", queued, in_flight, arrivals)
+
+
+def test_an_idle_resource_goes_to_zero_after_the_cooldown_and_not_before():
+    frames = [Sample(i * TICK, (idle_pod(),), (router(),)) for i in range(12)]  # 22 s, all idle
+    assert decide(frames[:10], 1, Z).replicas == 1  # 18 s: not yet covered
+    d = decide(frames, 1, Z)
+    assert d.replicas == 0 and "scale to zero 1 -> 0" in d.reason and d.victims == ("w0",)
+    assert decide(frames, 1, replace(Z, min_replicas=1)).replicas == 1  # only with minReplicas 0
+    assert Params.from_spec(AutoscalingSpec(min_replicas=0, max_replicas=2)).scale_to_zero_after_s == 300
+
+
+def test_any_arrival_queue_or_running_request_in_the_cooldown_keeps_a_worker():
+    base = [Sample(i * TICK, (idle_pod(),), (router(),)) for i in range(12)]
+    arrived = [*base[:6], *(replace(s, routers=(router(arrivals=11.0),)) for s in base[6:])]
+    assert decide(arrived, 1, Z).replicas == 1  # one request reached the router 10 s ago
+    worker_arrived = [*base[:6], *(replace(s, pods=(idle_pod(arrivals=6.0),)) for s in base[6:])]
+    assert decide(worker_arrived, 1, Z).replicas == 1
+    held = [*base[:-1], replace(base[-1], routers=(router(queued=1),))]
+    assert decide(held, 1, Z).replicas == 1
+    running = [*base[:-1], replace(base[-1], pods=(PodLoad("w0", "ready", 0.1, 0.0, 1.0, 5.0),))]
+    assert decide(running, 1, Z).replicas == 1
+    unread = [*base[:-1], replace(base[-1], routers=(RouterLoad("r0"),))]  # a router we could not read
+    assert decide(unread, 1, Z).replicas == 1
+
+
+def test_a_worker_that_is_not_ready_is_never_scaled_away_and_zero_holds():
+    # The router just woke the resource: its pod is loading, nothing is ready yet.
+    frames = [Sample(i * TICK, (PodLoad("w0", "starting"),), (router(queued=20),)) for i in range(15)]
+    assert decide(frames, 1, Z).replicas == 1
+    # Two workers, one loading: no scale-down (to zero or not) while it loads.
+    frames = [Sample(i * TICK, (idle_pod(), PodLoad("w1", "starting")), (router(),)) for i in range(15)]
+    assert decide(frames, 2, Z).replicas == 2
+    # At zero the autoscaler holds, even with requests waiting: the router asks (once).
+    frames = [Sample(i * TICK, (), (router(queued=20, arrivals=float(i)),)) for i in range(5)]
+    d = decide(frames, 0, Z)
+    assert d.replicas == 0 and "router asks" in d.reason
+
+
+def test_requests_held_at_the_router_are_demand():
+    frames = [Sample(i * TICK, fleet([0.3, 0.3], [0, 0]), (router(queued=30),)) for i in range(5)]
+    d = decide(frames, 2, P)
+    assert d.replicas == 6 and "30 at the router" in d.reason  # 30 waiting / 4 per worker -> 8, step 4
+    assert signals(frames[-1], P).total_waiting == 30
+    assert decide([replace(s, routers=()) for s in frames], 2, P).replicas == 2  # without it: steady
+
+
+def test_router_arrivals_are_the_arrival_signal_when_read():
+    frames = [
+        Sample(i * TICK, (PodLoad("w0", "ready", 0.2, 0, 1, 100.0),), (router(arrivals=10.0 * i),))
+        for i in range(4)
+    ]
+    assert [r for _, r in arrival_rates(frames)] == [5.0, 5.0, 5.0]  # the router's 10 per 2 s
+    workers_only = [replace(s, routers=()) for s in frames]
+    assert [r for _, r in arrival_rates(workers_only)] == [0.0, 0.0, 0.0]  # the workers saw none new
+    # Clients that bypass the router (the workers' Service): the workers' counters count more.
+    bypass = [
+        Sample(i * TICK, (PodLoad("w0", "ready", 0.2, 0, 1, 6.0 * i),), (router(arrivals=0.0),))
+        for i in range(4)
+    ]
+    assert [r for _, r in arrival_rates(bypass)] == [3.0, 3.0, 3.0]
+
+
+def test_the_routers_metrics_are_read_from_its_own_exposition():
+    from prometheus_client import generate_latest
+
+    from kvscale.operator.autoscaler import parse_router_metrics
+    from kvscale.operator.router.endpoints import StaticEndpoints
+    from kvscale.operator.router.server import Router
+    from kvscale.operator.router.state import RouterState
+
+    r = Router(RouterState(), StaticEndpoints([]))
+    assert parse_router_metrics(generate_latest(r.metrics.registry).decode()) == {
+        "queued": 0.0,
+        "in_flight": 0.0,
+        "arrivals": 0.0,
+    }  # before any request: no labelled series yet
+    r.metrics.requests.labels("a").inc(5)
+    r.metrics.requests.labels("b").inc(2)
+    r.metrics.queued.labels("a").set(3)
+    r.metrics.in_flight.labels("b").set(1)
+    assert parse_router_metrics(generate_latest(r.metrics.registry).decode()) == {
+        "queued": 3.0,
+        "in_flight": 1.0,
+        "arrivals": 7.0,
+    }

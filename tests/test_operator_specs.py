@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from kvscale.operator.children import (
     LABEL_OWNER,
     Owner,
-    children,
+    all_children,
     claim_volume_name,
     deployment,
     labels,
@@ -279,8 +279,11 @@ def test_the_name_rule_leaves_status_writes_to_older_resources_alone():
 def test_names_that_fit_are_accepted(name):
     assert crd_errors(resource(spec_of(), name=name)) == []
     assert name_problem(name) is None
-    for child in children(Owner(name, "ns", "u"), InferenceDeploymentSpec.model_validate(spec_of()), "img"):
+    spec = InferenceDeploymentSpec.model_validate(spec_of())
+    for child in all_children(Owner(name, "ns", "u"), spec, "img", "router-img", pools=True):
         assert all(len(v) <= 63 and re.search(LABEL_VALUE, v) for v in child["metadata"]["labels"].values())
+        # Every child's name is a DNS label (the router's Service NAME-router too).
+        assert len(child["metadata"]["name"]) <= 63 and re.search(DNS_LABEL, child["metadata"]["name"])
 
 
 GOOD_SPECS = [

@@ -3,7 +3,9 @@ say what the spec asks, status follows the Deployment (the lease decisions: test
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -14,10 +16,18 @@ from kvscale.operator.children import (
     LABEL_OWNER,
     MANAGER,
     PRESTOP_SECONDS,
+    ROUTER_KEYS,
     Owner,
+    all_children,
     children,
     deployment,
+    endpoint_url,
+    inference_pool,
+    key_of,
     replicas_handover,
+    router_children,
+    router_name,
+    selector_labels,
     selector_string,
 )
 from kvscale.operator.crd import crd, crd_yaml, reference_markdown
@@ -57,7 +67,7 @@ def test_crd_schema_is_structural_and_documented():
     assert schema["required"] == ["model"]
     assert schema["x-kubernetes-validations"][0]["message"].startswith("with autoscaling the operator's")
     assert schema["properties"]["speculative"]["properties"]["method"]["enum"] == ["draft", "ngram"]
-    assert schema["properties"]["autoscaling"]["properties"]["minReplicas"]["minimum"] == 1
+    assert schema["properties"]["autoscaling"]["properties"]["minReplicas"]["minimum"] == 0  # scale to zero
     assert schema["properties"]["replicas"]["default"] == 1  # GET /scale fails on an absent field
     assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
@@ -72,7 +82,10 @@ def test_crd_schema_is_structural_and_documented():
 
 def test_models_refuse_what_the_schema_refuses():
     with pytest.raises(ValidationError):
-        spec(autoscaling={"minReplicas": 0, "maxReplicas": 2})
+        spec(autoscaling={"minReplicas": -1, "maxReplicas": 2})
+    assert spec(autoscaling={"minReplicas": 0, "maxReplicas": 2}).autoscaling.min_replicas == 0
+    with pytest.raises(ValidationError, match="needs the router"):  # nothing would wake it
+        spec(autoscaling={"minReplicas": 0, "maxReplicas": 2}, router={"enabled": False})
     with pytest.raises(ValidationError):
         spec(speculative={"method": "medusa"})
     with pytest.raises(ValidationError):
@@ -309,3 +322,142 @@ def test_docs_reference_is_generated_from_the_models():
     assert embedded == reference_markdown(), (
         "docs/operator.md is stale: regenerate with `kvscale-operator crd --markdown`"
     )
+
+
+# --- the router's children ------------------------------------------------------------------
+
+
+def router_objects(s: InferenceDeploymentSpec) -> dict[str, dict]:
+    return {key_of(o): o for o in router_children(OWNER, s, "router:1")}
+
+
+def test_the_router_is_deployed_with_its_service_and_least_privilege_rbac():
+    objs = router_objects(spec())
+    assert sorted(objs) == sorted(ROUTER_KEYS)
+    dep, svc = objs["RouterDeployment"], objs["RouterService"]
+    assert {o["metadata"]["name"] for o in objs.values()} == {"tiny-router"}
+    for o in objs.values():  # owned, and seen by the children's watches (CHILD_SELECTOR)
+        assert o["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert (
+            o["metadata"]["labels"][LABEL_MANAGED_BY] == MANAGER
+            and o["metadata"]["labels"][LABEL_OWNER] == "tiny"
+        )
+    # The router's pods are not workers: the workers' Service, PDB and autoscaler never see them.
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert not (selector_labels("tiny").items() <= pod_labels.items())
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "router:1" and container["command"] == ["kvscale-router"]
+    assert container["args"][:2] == ["--service", "tiny"]  # the workers' Service's EndpointSlices
+    assert "--scale-deployment" not in container["args"]  # minReplicas 1: nothing to wake
+    assert pod["serviceAccountName"] == "tiny-router" and pod["automountServiceAccountToken"] is True
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    rules = objs["Role"]["rules"]
+    assert rules[0] == {
+        "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]
+    }  # fmt: skip
+    assert rules[1]["resources"] == ["deployments/scale"] and rules[1]["resourceNames"] == ["tiny"]
+    assert objs["RoleBinding"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "tiny-router", "namespace": "ns"}
+    ]
+    assert objs["RoleBinding"]["roleRef"]["name"] == "tiny-router"
+
+
+def test_the_router_follows_its_spec_and_scale_from_zero():
+    objs = router_objects(spec(router={"replicas": 2, "image": "mine:2", "cpu": "1", "memory": "1Gi"}))
+    dep = objs["RouterDeployment"]
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert dep["spec"]["replicas"] == 2 and container["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
+    zero = router_objects(spec(autoscaling={"minReplicas": 0, "maxReplicas": 3}))
+    args = zero["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--scale-deployment") + 1] == "tiny"
+    startup = InferenceDeploymentSpec.model_validate({"model": {"uri": "/m"}}).server.startup_timeout_seconds
+    assert args[args.index("--queue-timeout") + 1] == str(max(60, startup))  # waits out a startup
+    assert router_children(OWNER, spec(router={"enabled": False}), "router:1") == []
+
+
+def test_router_names_are_dns_labels_and_the_endpoint_is_the_routers_service():
+    long = "a" * 63
+    assert router_name("tiny") == "tiny-router"
+    assert len(router_name(long)) <= 63 and router_name(long).endswith("-router")
+    assert router_name(long) != router_name("a" * 62 + "b")
+    assert endpoint_url(OWNER, spec()) == "http://tiny-router.ns.svc:8000"
+    assert endpoint_url(OWNER, spec(router={"enabled": False})) == "http://tiny.ns.svc:8000"
+    status = compute_status(
+        name="tiny", generation=1, selector="s", desired=1, deployment=None, previous_conditions=[],
+        now="t", endpoint=endpoint_url(OWNER, spec()),
+    )  # fmt: skip
+    assert status["endpoint"] == "http://tiny-router.ns.svc:8000"
+
+
+# --- the InferencePool ----------------------------------------------------------------------
+
+
+def test_the_inference_pool_selects_the_workers_in_gies_v1_fields():
+    pool = inference_pool(OWNER, spec())
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    assert pool["metadata"]["name"] == "tiny" and pool["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": selector_labels("tiny")},
+        "targetPorts": [{"number": 8000}],
+    }
+    picked = inference_pool(OWNER, spec(inferencePool={"endpointPicker": {"name": "tiny-epp"}}))
+    assert picked["spec"]["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": "tiny-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    keys = [key_of(c) for c in all_children(OWNER, spec(), "w:1", "r:1", pools=True)]
+    assert "InferencePool" in keys
+    assert "InferencePool" not in [key_of(c) for c in all_children(OWNER, spec(), "w:1", "r:1")]
+    off = spec(inferencePool={"enabled": False})
+    assert "InferencePool" not in [key_of(c) for c in all_children(OWNER, off, "w:1", "r:1", pools=True)]
+
+
+def test_discovery_says_whether_inference_pools_are_served():
+    from kubernetes.client.rest import ApiException
+
+    from kvscale.operator import inferencepool
+
+    class Discovery:  # a stand-in for the API server's discovery document (tests only)
+        def __init__(self, body=None, status=None):
+            self.body, self.status, self.asked = body, status, []
+
+        def get_api_resources(self, group, version, **kwargs):
+            self.asked.append((group, version, kwargs.get("_preload_content")))
+            if self.status:
+                raise ApiException(status=self.status, reason="x")
+            return SimpleNamespace(data=json.dumps(self.body).encode())
+
+    api = Discovery({"resources": [{"name": "inferencepools"}, {"name": "inferencepools/status"}]})
+    assert inferencepool.served(api, 5) and api.asked == [("inference.networking.k8s.io", "v1", False)]
+    assert not inferencepool.served(Discovery(status=404), 5)
+    assert not inferencepool.served(Discovery({"resources": [{"name": "inferencemodels"}]}), 5)
+    with pytest.raises(ApiException):
+        inferencepool.served(Discovery(status=503), 5)
+
+
+def test_the_pool_fits_the_e2e_test_copy_of_the_upstream_crds_shape():
+    """Every field we render is one the test copy (e2e/testdata) declares, so the e2e test's API
+    server keeps them (an undeclared field would be pruned)."""
+    crd = yaml.safe_load((REPO / "e2e" / "testdata" / "inferencepools-crd.test-copy.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    assert crd["spec"]["group"] + "/" + version["name"] == "inference.networking.k8s.io/v1"
+
+    def declared(schema: dict, value, path: str) -> None:
+        if isinstance(value, dict) and "properties" in schema:
+            for key, sub in value.items():
+                assert key in schema["properties"], f"{path}.{key}"
+                declared(schema["properties"][key], sub, f"{path}.{key}")
+        elif isinstance(value, list):
+            for item in value:
+                declared(schema["items"], item, f"{path}[]")
+
+    pool = inference_pool(
+        OWNER, spec(inferencePool={"endpointPicker": {"name": "epp", "failureMode": "FailOpen"}})
+    )
+    declared(version["schema"]["openAPIV3Schema"]["properties"]["spec"], pool["spec"], "spec")

@@ -20,12 +20,15 @@ import yaml
 
 import kvscale.operator.autoscaler  # noqa: F401 (registers its handler)
 from kvscale.operator import handlers, main
-from kvscale.operator.children import Owner, children
+from kvscale.operator.children import Owner, all_children, router_role_rules
 from kvscale.operator.models import GROUP, PLURAL, InferenceDeploymentSpec
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 SA = {"kind": "ServiceAccount", "name": "kvscale-operator", "namespace": "kvscale-system"}
+RBAC = "rbac.authorization.k8s.io"
+APPLIED = ("deployments", "services", "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings")
+APPLIED += ("inferencepools",)
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
 
 # Every Kubernetes client method the operator's code calls: (API group, resource, verb, scope).
@@ -49,6 +52,24 @@ API_CALLS = {
     "patch_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "patch", "namespaced"),
     "list_pod_disruption_budget_for_all_namespaces": ("policy", "poddisruptionbudgets", "list", "cluster"),
     "list_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "list", "namespaced"),
+    "delete_namespaced_deployment": ("apps", "deployments", "delete", "namespaced"),
+    "delete_namespaced_service": ("", "services", "delete", "namespaced"),
+    "delete_namespaced_pod_disruption_budget": ("policy", "poddisruptionbudgets", "delete", "namespaced"),
+    "read_namespaced_service_account": ("", "serviceaccounts", "get", "namespaced"),
+    "patch_namespaced_service_account": ("", "serviceaccounts", "patch", "namespaced"),
+    "list_service_account_for_all_namespaces": ("", "serviceaccounts", "list", "cluster"),
+    "list_namespaced_service_account": ("", "serviceaccounts", "list", "namespaced"),
+    "delete_namespaced_service_account": ("", "serviceaccounts", "delete", "namespaced"),
+    "read_namespaced_role": (RBAC, "roles", "get", "namespaced"),
+    "patch_namespaced_role": (RBAC, "roles", "patch", "namespaced"),
+    "list_role_for_all_namespaces": (RBAC, "roles", "list", "cluster"),
+    "list_namespaced_role": (RBAC, "roles", "list", "namespaced"),
+    "delete_namespaced_role": (RBAC, "roles", "delete", "namespaced"),
+    "read_namespaced_role_binding": (RBAC, "rolebindings", "get", "namespaced"),
+    "patch_namespaced_role_binding": (RBAC, "rolebindings", "patch", "namespaced"),
+    "list_role_binding_for_all_namespaces": (RBAC, "rolebindings", "list", "cluster"),
+    "list_namespaced_role_binding": (RBAC, "rolebindings", "list", "namespaced"),
+    "delete_namespaced_role_binding": (RBAC, "rolebindings", "delete", "namespaced"),
     "list_namespaced_pod": ("", "pods", "list", "namespaced"),
     "list_pod_for_all_namespaces": ("", "pods", "list", "cluster"),
     "patch_namespaced_pod": ("", "pods", "patch", "namespaced"),
@@ -56,6 +77,15 @@ API_CALLS = {
     "read_namespaced_lease": ("coordination.k8s.io", "leases", "get", "lease"),
     "create_namespaced_lease": ("coordination.k8s.io", "leases", "create", "lease"),
     "replace_namespaced_lease": ("coordination.k8s.io", "leases", "update", "lease"),
+}
+# The custom-objects calls of operator/inferencepool.py are on the Inference Extension's pools.
+POOLS = ("inference.networking.k8s.io", "inferencepools")
+FILE_CALLS = {
+    ("inferencepool.py", "get_namespaced_custom_object"): (*POOLS, "get", "namespaced"),
+    ("inferencepool.py", "patch_namespaced_custom_object"): (*POOLS, "patch", "namespaced"),
+    ("inferencepool.py", "list_cluster_custom_object"): (*POOLS, "list", "cluster"),
+    ("inferencepool.py", "list_namespaced_custom_object"): (*POOLS, "list", "namespaced"),
+    ("inferencepool.py", "delete_namespaced_custom_object"): (*POOLS, "delete", "namespaced"),
 }
 CLIENT_CALL = re.compile(
     r"\.((?:read|patch|list|create|replace|get|delete|update|watch)_"
@@ -142,8 +172,10 @@ def admission_checks() -> set[tuple[str, str, str]]:
     spec = InferenceDeploymentSpec.model_validate({"model": {"uri": "/models/tiny"}})
     plurals = {"Deployment": ("apps", "deployments"), "Service": ("", "services")}
     plurals["PodDisruptionBudget"] = ("policy", "poddisruptionbudgets")
+    plurals["ServiceAccount"] = ("", "serviceaccounts")
+    plurals.update(Role=(RBAC, "roles"), RoleBinding=(RBAC, "rolebindings"), InferencePool=POOLS)
     checks = set()
-    for child in children(Owner("tiny", "ns", "uid-1"), spec, "worker:1"):
+    for child in all_children(Owner("tiny", "ns", "uid-1"), spec, "worker:1", "router:1", pools=True):
         checks.add((*plurals[child["kind"]], "delete"))
         for ref in child["metadata"]["ownerReferences"]:
             if ref.get("blockOwnerDeletion"):
@@ -155,24 +187,45 @@ def admission_checks() -> set[tuple[str, str, str]]:
 def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
     """By scope ('cluster', 'namespaced', 'lease'), what the operator needs granted."""
     out: dict[str, set[tuple[str, str, str]]] = {"cluster": set(), "namespaced": set(), "lease": set()}
-    for name in operator_calls():
+    for name, files in operator_calls().items():
         call, _, watched = name.partition(":")
-        group, resource, verb, scope = API_CALLS[call]
-        verb = watched or verb
-        if scope == "cluster" and not clusterwide:
-            continue  # handlers.list_resources / list_children list per namespace instead
-        out[scope].add((group, resource, verb))
-        if verb == "patch" and resource in ("deployments", "services", "poddisruptionbudgets"):
-            out[scope].add((group, resource, "create"))  # a server-side apply that creates
+        for f in files:
+            group, resource, verb, scope = FILE_CALLS.get((f, call)) or API_CALLS[call]
+            verb = watched or verb
+            if scope == "cluster" and not clusterwide:
+                continue  # handlers.list_resources / list_children list per namespace instead
+            out[scope].add((group, resource, verb))
+            if verb == "patch" and resource in APPLIED:
+                out[scope].add((group, resource, "create"))  # a server-side apply that creates
     for g in kopf_requests(clusterwide):
         out["cluster" if clusterwide else "namespaced"].add(g)
-    out["namespaced"] |= admission_checks()
+    out["namespaced"] |= admission_checks() | router_grants()
     return out
+
+
+def router_grants() -> set[tuple[str, str, str]]:
+    """What the router's Role grants: RBAC's escalation check lets the operator create that Role
+    (and bind it) only if it holds every one of those permissions itself (we grant them rather
+    than `escalate` and `bind`, which would let it grant anything)."""
+    return {
+        (group, resource, verb)
+        for rule in router_role_rules(Owner("tiny", "ns", "uid-1"))
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
 def test_every_client_call_of_the_operator_is_known_here():
     calls = operator_calls()
-    unknown = {name: files for name, files in calls.items() if name.partition(":")[0] not in API_CALLS}
+    unknown = {
+        name: files
+        for name, files in calls.items()
+        if any(
+            name.partition(":")[0] not in API_CALLS and (f, name.partition(":")[0]) not in FILE_CALLS
+            for f in files
+        )
+    }
     assert not unknown, f"add these API calls to API_CALLS (and grant them in manifests/): {unknown}"
     assert "patch_namespaced_custom_object_status" in calls and "replace_namespaced_lease" in calls
     assert {"list_pod_for_all_namespaces:watch", "list_namespaced_pod:watch"} <= set(calls)  # pods.py
@@ -345,11 +398,11 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
     recorder = Recorder()
     monkeypatch.setattr(handlers, "api", lambda: None)
     monkeypatch.setattr(handlers.client, "CustomObjectsApi", lambda _: recorder)
-    for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api"):
+    for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api", "RbacAuthorizationV1Api"):
         monkeypatch.setattr(handlers.client, typed, lambda _: recorder)
     monkeypatch.setattr(handlers, "watch_namespaces", namespaces)
     resources = handlers.list_resources()
-    for kind in handlers.CHILD_KINDS:
+    for kind in handlers.LISTED_KINDS:
         handlers.list_children(kind)
     names = [name for name, _ in recorder.calls]
     if not namespaces:
@@ -358,6 +411,9 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
             "list_deployment_for_all_namespaces",
             "list_service_for_all_namespaces",
             "list_pod_disruption_budget_for_all_namespaces",
+            "list_service_account_for_all_namespaces",
+            "list_role_for_all_namespaces",
+            "list_role_binding_for_all_namespaces",
         ]
         return
     assert all(API_CALLS[n][3] == "namespaced" for n in names), names
@@ -369,5 +425,8 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
         "list_namespaced_deployment",
         "list_namespaced_service",
         "list_namespaced_pod_disruption_budget",
+        "list_namespaced_service_account",
+        "list_namespaced_role",
+        "list_namespaced_role_binding",
     ):
         assert [ns for n, ns in listed if n == method] == ["team-a", "team-b"]

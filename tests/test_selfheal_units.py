@@ -15,7 +15,16 @@ from kubernetes.client.rest import ApiException
 
 import kvscale.operator.autoscaler  # noqa: F401 (registers its handler: checked below too)
 from kvscale.operator import handlers
-from kvscale.operator.children import AUTOSCALER_MANAGER, MANAGER, Owner, children
+from kvscale.operator.children import (
+    AUTOSCALER_MANAGER,
+    CHILD_KEYS,
+    MANAGER,
+    Owner,
+    child_key,
+    children,
+    key_of,
+    kind_of,
+)
 from kvscale.operator.heal import (
     RetryQueue,
     apply_failure,
@@ -51,7 +60,7 @@ def as_served(obj: dict, rv: int = 1) -> dict:
         for r in ("requests", "limits"):
             if container["resources"][r].get("cpu") == "0.5":
                 container["resources"][r]["cpu"] = "500m"
-        container["env"].append({"name": "SET_BY_HAND", "value": "1"})  # another manager's entry
+        container.setdefault("env", []).append({"name": "SET_BY_HAND", "value": "1"})  # another manager's
         container["readinessProbe"]["httpGet"]["scheme"] = "HTTP"
         live["status"] = {"replicas": 0}
     if obj["kind"] == "Service":
@@ -204,12 +213,21 @@ def test_every_child_watch_is_filtered_by_the_api_server_and_nothing_adds_a_fina
     handlers.configure(settings=settings)
     registry = kopf.get_default_registry()
     watched = [h.selector for h in registry._watching.get_all_handlers() if h.selector.group != GROUP]
-    assert len(watched) == 4  # the three children, and the worker pods (their model downloads)
+    # the children, and the worker pods (their model downloads)
+    assert len(watched) == len(handlers.CHILD_RESOURCES) + 1 == 7
     for selector in watched:
         plural = selector.any_name
         resource = kopf.Resource(selector.group, selector.version, plural)
         assert settings.watching.label_selectors.collect(resource) == [handlers.CHILD_SELECTOR], plural
-        assert plural in ("deployments", "services", "poddisruptionbudgets", "pods")
+        assert plural in (
+            "deployments",
+            "services",
+            "poddisruptionbudgets",
+            "serviceaccounts",
+            "roles",
+            "rolebindings",
+            "pods",
+        )
     assert not registry._spawning.get_all_handlers()  # no kopf timers or daemons
     assert not any(h.requires_finalizer for h in registry._changing.get_all_handlers())
 
@@ -225,16 +243,29 @@ class FakeAPI:
     objects: dict[str, dict] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
-    refuse: dict[str, int] = field(default_factory=dict)  # kind -> status of the apply's error
+    refuse: dict[str, int] = field(default_factory=dict)  # key -> status of the apply's error
     rv: int = 10
 
+    @staticmethod
+    def key(kind: str, name: str) -> str:
+        """The child key (children.child_key): the router's children are named NAME-router."""
+        return child_key(
+            kind, {"app.kubernetes.io/name": "kvscale-router"} if name.endswith("-router") else {}
+        )
+
     def read(self, kind, name, namespace):
-        self.calls.append(("get", kind))
-        obj = self.objects.get(kind)
+        key = self.key(kind, name)
+        self.calls.append(("get", key))
+        obj = self.objects.get(key)
         return copy.deepcopy(obj) if obj is not None else None
 
+    def delete(self, kind, name, namespace):
+        key = self.key(kind, name)
+        self.calls.append(("delete", key))
+        self.objects.pop(key, None)
+
     def apply(self, obj, manager=MANAGER):
-        kind = obj["kind"]
+        kind = key_of(obj)
         self.calls.append(("patch", kind))
         if kind in self.refuse:
             e = ApiException(
@@ -266,7 +297,7 @@ class FakeAPI:
         current["conditions"] = kept + list(status.get("conditions", []))
 
     def writes(self) -> list[tuple[str, str]]:
-        return [c for c in self.calls if c[0] == "patch"]
+        return [c for c in self.calls if c[0] in ("patch", "delete")]
 
 
 @pytest.fixture
@@ -280,10 +311,13 @@ def cluster(monkeypatch) -> FakeAPI:
     fake = FakeAPI(resource)
     monkeypatch.setattr(handlers, "read", fake.read)
     monkeypatch.setattr(handlers, "server_side_apply", fake.apply)
+    monkeypatch.setattr(handlers, "delete", fake.delete)
     monkeypatch.setattr(handlers, "get_resource", fake.get_resource)
     monkeypatch.setattr(handlers, "apply_status", fake.apply_status)
     monkeypatch.setattr(handlers, "worker_image", lambda: "img:1")
+    monkeypatch.setattr(handlers, "router_image", lambda: "router:1")
     monkeypatch.setattr(handlers, "retries", RetryQueue())
+    monkeypatch.setattr(handlers, "pools_served", False)
     monkeypatch.setattr(
         handlers,
         "post_event",
@@ -314,9 +348,10 @@ def deployment_event(fake: FakeAPI, type_: str | None = "MODIFIED") -> None:
 
 def test_reconcile_creates_the_children_and_an_unchanged_child_is_never_written(cluster):
     reconcile()
-    assert sorted(cluster.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
+    made = sorted(set(CHILD_KEYS) - {"InferencePool"})  # no InferencePool CRD here
+    assert sorted(cluster.objects) == made  # the workers' and the router's
     assert cluster.resource["status"]["observedGeneration"] == 1
-    assert [e[1] for e in cluster.events].count("Created") == 3
+    assert [e[1] for e in cluster.events].count("Created") == len(made)
     cluster.calls.clear()
     for _ in range(3):  # the Deployment's own events, the Service's, the PDB's: nothing to write
         deployment_event(cluster)
@@ -474,7 +509,8 @@ def test_the_resync_heals_what_no_event_reported_and_writes_nothing_else(cluster
     reconcile()
     listed = lambda kind: [  # noqa: E731
         {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
-        for o in ([cluster.objects[kind]] if kind in cluster.objects else [])
+        for key, o in cluster.objects.items()
+        if kind_of(key) == kind
     ]
     monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
     monkeypatch.setattr(handlers, "list_children", listed)
@@ -616,3 +652,99 @@ def test_error_kinds():
     assert error_kind(NotLeader("no")) == "not_leader"
     assert error_kind(ConnectionRefusedError()) == "network"
     assert error_kind(ValueError("bug")) == "internal"
+
+
+# --- the router's children -----------------------------------------------------------------
+
+
+def test_the_routers_children_are_healed_like_the_workers(cluster):
+    reconcile()
+    assert cluster.resource["status"]["endpoint"] == "http://tiny-router.ns.svc:8000"
+    cluster.calls.clear()
+    for key, handler in (
+        ("RouterDeployment", handlers.deployment_changed),
+        ("RouterService", handlers.service_changed),
+        ("ServiceAccount", handlers.service_account_changed),
+        ("Role", handlers.role_changed),
+        ("RoleBinding", handlers.role_binding_changed),
+    ):
+        handler(body=copy.deepcopy(cluster.objects[key]), type="MODIFIED")  # as applied: no write
+        assert cluster.writes() == [], key
+        gone = cluster.objects.pop(key)
+        handler(body=gone, type="DELETED")
+        assert key in cluster.objects and cluster.writes() == [("patch", key)], key
+        cluster.calls.clear()
+    # An edit by hand of the router's Deployment is reverted; the workers' is not touched.
+    container = cluster.objects["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]
+    container["image"] = "evil:1"
+    handlers.deployment_changed(body=copy.deepcopy(cluster.objects["RouterDeployment"]), type="MODIFIED")
+    assert cluster.writes() == [("patch", "RouterDeployment")]
+    assert (
+        cluster.objects["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "router:1"
+    )
+    # A Role widened by hand is put back.
+    cluster.objects["Role"]["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+    handlers.role_changed(body=copy.deepcopy(cluster.objects["Role"]), type="MODIFIED")
+    assert len(cluster.objects["Role"]["rules"]) == 2
+
+
+def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(cluster):
+    reconcile()
+    cluster.resource["metadata"]["generation"] = 2
+    cluster.resource["spec"] = {**SPEC, "router": {"enabled": False}}
+    cluster.calls.clear()
+    reconcile()
+    assert sorted(cluster.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(c[1] for c in cluster.calls if c[0] == "delete") == sorted(
+        ["RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding"]
+    )
+    assert cluster.resource["status"]["endpoint"] == "http://tiny.ns.svc:8000"
+    cluster.calls.clear()
+    reconcile()  # nothing left to delete
+    assert not [c for c in cluster.calls if c[0] == "delete"]
+
+
+def test_a_router_object_someone_else_owns_is_never_deleted(cluster):
+    cluster.resource["spec"] = {**SPEC, "router": {"enabled": False}}
+    cluster.objects["RouterService"] = {
+        "kind": "Service",
+        "metadata": {"name": "tiny-router", "ownerReferences": []},
+    }
+    reconcile()
+    assert "RouterService" in cluster.objects and not [c for c in cluster.calls if c[0] == "delete"]
+
+
+def test_an_inference_pool_is_applied_only_where_served_and_healed_by_the_resync(cluster, monkeypatch):
+    reconcile()
+    assert "InferencePool" not in cluster.objects  # the CRD is not installed: never asked for
+    assert not [c for c in cluster.calls if c[1] == "InferencePool"]
+    monkeypatch.setattr(handlers, "pools_served", True)  # the resync task's discovery saw it come
+    listed = lambda kind: [  # noqa: E731
+        {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
+        for key, o in cluster.objects.items()
+        if kind_of(key) == kind
+    ]
+    monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
+    monkeypatch.setattr(handlers, "list_children", listed)
+    handlers.resync()
+    pool = cluster.objects["InferencePool"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "tiny"
+    cluster.calls.clear()
+    handlers.resync()
+    assert cluster.writes() == []  # as applied: nothing written
+    del cluster.objects["InferencePool"]  # deleted by hand: the next resync puts it back
+    handlers.resync()
+    assert "InferencePool" in cluster.objects
+    cluster.resource["metadata"]["generation"] = 2
+    cluster.resource["spec"] = {**SPEC, "inferencePool": {"enabled": False}}
+    reconcile()
+    assert "InferencePool" not in cluster.objects and ("delete", "InferencePool") in cluster.calls
+
+
+def test_a_pool_whose_crd_went_since_the_last_discovery_does_not_fail_the_resource(cluster, monkeypatch):
+    monkeypatch.setattr(handlers, "pools_served", True)
+    cluster.refuse["InferencePool"] = 404  # the CRD was deleted a moment ago
+    reconcile()
+    assert degraded(cluster)["status"] == "False" and cluster.resource["status"]["observedGeneration"] == 1
+    assert "Deployment" in cluster.objects and "RouterDeployment" in cluster.objects

@@ -25,7 +25,14 @@ def small(seed: int) -> dict:
         max_replicas=6,
         trace=simulate.TraceConfig(duration_s=240, quiet_start_s=20, burst_every_s=60, burst_len_s=60),
         model=simulate.WorkerModel(load_time_s=10),
-        policies=("kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"),
+        policies=(
+            "kvscale",
+            "kvscale-round-robin",
+            "request-count",
+            "hpa-utilisation",
+            "oracle",
+            "static-peak",
+        ),
     )
 
 
@@ -34,7 +41,14 @@ def test_report_shape_and_determinism():
     assert json.dumps(a) == json.dumps(b)  # same seed, same report
     assert json.dumps(small(4)["results"]) != json.dumps(a["results"])
     names = [r["policy"] for r in a["results"]]
-    assert names == ["kvscale", "request-count", "hpa-utilisation", "oracle", "static-peak"]
+    assert names == [
+        "kvscale",
+        "kvscale-round-robin",
+        "request-count",
+        "hpa-utilisation",
+        "oracle",
+        "static-peak",
+    ]
     for r in a["results"]:
         assert 0.0 <= r["slo_attainment"] <= 1.0
         assert r["replica_seconds"] > 0 and r["requests"] == a["requests"] > 100
@@ -42,7 +56,7 @@ def test_report_shape_and_determinism():
         assert 1 <= r["max_replicas"] <= 6
     static = a["results"][-1]
     assert static["scaling_actions"] == 0
-    assert "| kvscale |" in simulate.table(a)
+    assert "| kvscale |" in simulate.table(a) and "| kvscale-round-robin |" in simulate.table(a)
 
 
 def test_the_oracle_bound_knows_the_future_and_the_capacity():
@@ -147,3 +161,39 @@ def test_workers_count_arrivals_as_the_operator_reads_them():
     for i in range(40):
         w.step(i * 0.05, 0.05)
     assert w.finished_count == 1 and w.in_flight() == 0 and w.arrivals() == 2
+
+
+def test_requests_reach_the_workers_through_the_routers_own_picking_function(monkeypatch):
+    """Not a model of the router: its picker, called for every routed request, and its queue seen
+    by the autoscaler; the round-robin row calls the round-robin baseline instead."""
+    from kvscale.operator.router import picker
+
+    calls = {"pick": 0, "round-robin": 0}
+    monkeypatch.setattr(
+        simulate, "pick", lambda *a: (calls.__setitem__("pick", calls["pick"] + 1), picker.pick(*a))[1]
+    )
+    rr = picker.pick_round_robin
+    monkeypatch.setattr(
+        simulate,
+        "pick_round_robin",
+        lambda *a: (calls.__setitem__("round-robin", calls["round-robin"] + 1), rr(*a))[1],
+    )
+    views = []
+    decide = simulate.KvscalePolicy.decide
+
+    def spy(self, now, workers, current):
+        views.append(self.router_view)
+        return decide(self, now, workers, current)
+
+    monkeypatch.setattr(simulate.KvscalePolicy, "decide", spy)
+    cfg = simulate.TraceConfig(duration_s=120, quiet_start_s=10, burst_every_s=40, burst_len_s=40)
+    requests, rate = simulate.make_trace(cfg, random.Random(1))
+    model = simulate.WorkerModel(load_time_s=10)
+    simulate.run(simulate.KvscalePolicy(Params(max_replicas=1)), requests, rate, model, 120, 1.0)
+    assert calls["pick"] >= len(requests) and calls["round-robin"] == 0
+    assert max(v.queued for v in views) > 0  # one worker could not take the burst: the router held it
+    counted = [v.arrivals for v in views]  # the router's arrivals counter, up to the last decision
+    assert counted == sorted(counted) and 0.9 * len(requests) < counted[-1] <= len(requests)
+    views.clear()
+    simulate.run(simulate.RoundRobinServicePolicy(Params(max_replicas=1)), requests, rate, model, 120, 1.0)
+    assert calls["round-robin"] == len(requests) and set(views) == {None}

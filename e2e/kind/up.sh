@@ -8,6 +8,7 @@
 #   KIND_NODE_IMAGE              node image instead of the one pinned in cluster.yaml
 #   KVSCALE_OPERATOR_IMAGE       the Dockerfile's `operator` target (default: ghcr.io/kvscale/kvscale-operator:0.1.0)
 #   KVSCALE_WORKER_IMAGE         the Dockerfile's `worker` target (default: ghcr.io/kvscale/kvscale-worker:0.1.0)
+#   KVSCALE_ROUTER_IMAGE         the Dockerfile's `router` target (default: ghcr.io/kvscale/kvscale-router:0.1.0)
 #   KVSCALE_NAMESPACE            namespace of the operator in manifests/ (default: kvscale-system)
 #   KVSCALE_OPERATOR_DEPLOYMENT  the operator's Deployment in manifests/ (default: kvscale-operator)
 #
@@ -24,6 +25,7 @@ cluster="${KIND_CLUSTER:-kvscale}"
 # that exists only inside the kind nodes.
 operator_image="${KVSCALE_OPERATOR_IMAGE:-ghcr.io/kvscale/kvscale-operator:0.1.0}"
 worker_image="${KVSCALE_WORKER_IMAGE:-ghcr.io/kvscale/kvscale-worker:0.1.0}"
+router_image="${KVSCALE_ROUTER_IMAGE:-ghcr.io/kvscale/kvscale-router:0.1.0}"
 namespace="${KVSCALE_NAMESPACE:-kvscale-system}"
 operator="${KVSCALE_OPERATOR_DEPLOYMENT:-kvscale-operator}"
 example="manifests/examples/tiny-cpu.yaml"
@@ -66,7 +68,7 @@ kubectl wait --for=condition=Ready nodes --all --timeout=3m
 # The build context is the repository root, where .venv (PyTorch, gigabytes) also lives.
 grep -qsE '^/?\.venv/?$' .dockerignore ||
     echo "e2e/kind/up.sh: warning: .dockerignore does not exclude .venv: the build context will be huge" >&2
-for target in operator worker; do
+for target in operator router worker; do
     image_var="${target}_image"
     step "building ${!image_var} (--target $target) from ./Dockerfile"
     DOCKER_BUILDKIT=1 docker build --target "$target" --tag "${!image_var}" .
@@ -85,7 +87,8 @@ kubectl apply --server-side --force-conflicts --field-manager="$manager" -k mani
 # yours) point the operator at them. '*' needs no container name. KVSCALE_WORKER_IMAGE is the
 # operator's default image for the worker pods it creates (spec.image overrides it).
 kubectl -n "$namespace" set image "deployment/$operator" "*=$operator_image"
-kubectl -n "$namespace" set env "deployment/$operator" "KVSCALE_WORKER_IMAGE=$worker_image"
+kubectl -n "$namespace" set env "deployment/$operator" "KVSCALE_WORKER_IMAGE=$worker_image" \
+    "KVSCALE_ROUTER_IMAGE=$router_image"
 # rollout status waits for the pods of the latest template (the one with our image), not for
 # whatever ReplicaSet happened to be available first.
 kubectl -n "$namespace" rollout status "deployment/$operator" --timeout=5m

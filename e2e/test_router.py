@@ -1,0 +1,231 @@
+"""The router the operator deploys, end to end on the real node: scale from zero, requests
+through the router while a worker goes, and the InferencePool where its CRD is installed.
+
+- An InferenceDeployment with `autoscaling.minReplicas: 0` goes to zero when idle; 20 concurrent
+  requests to the router's Service make exactly one scale-up (the audit log's writes to the
+  workers' deployments/scale: one, by the router's ServiceAccount) and all return 200; idle again,
+  the autoscaler takes it back to zero.
+- Requests through the router keep flowing while a worker is deleted: 0 failed.
+- With a test copy of the InferencePool CRD installed (e2e/testdata), the operator applies a pool
+  selecting the workers.
+
+The router's Service is reached from the host by its ClusterIP (kube-proxy on this node), as
+e2e/test_autoscaling.py reaches the workers' Service.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+from test_controlplane import wait_for
+from test_operator import (  # noqa: F401 (fixtures)
+    OPERATOR_USER,
+    apply,
+    example,
+    get_cr,
+    namespace,
+    operator,
+    wait_ready,
+)
+from test_selfheal import audit_lines
+
+TESTDATA = Path(__file__).parent / "testdata"
+POOLS = ("inference.networking.k8s.io", "v1", "inferencepools")
+WORKERS = "app.kubernetes.io/name=kvscale-worker"
+
+
+def router_ip(cluster, name: str, ns: str) -> str:
+    svc = client.CoreV1Api(cluster.api).read_namespaced_service(f"{name}-router", ns).spec
+    assert svc.ports[0].port == 8000
+    return svc.cluster_ip
+
+
+def wait_router(cluster, name: str, ns: str, timeout: float = 180) -> str:
+    """The router's ClusterIP once its Deployment has a ready pod."""
+    apps = client.AppsV1Api(cluster.api)
+
+    def ready():
+        try:
+            dep = apps.read_namespaced_deployment(f"{name}-router", ns)
+        except client.ApiException:
+            return False
+        return (dep.status.ready_replicas or 0) >= 1
+
+    wait_for(ready, timeout=timeout, interval=0.5, what="the router to be ready")
+    return router_ip(cluster, name, ns)
+
+
+def complete(ip: str, model: str, stream: bool = False, timeout: float = 600) -> tuple[int, bytes]:
+    body = {
+        "model": model,
+        "prompt": "def fibonacci(n):",
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+    }
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except Exception as e:  # a failure is a failure: reported, not raised from a thread
+        return -1, f"{type(e).__name__}: {e}".encode()
+
+
+def scale_writes(cluster, since: int, ns: str, name: str) -> list[str]:
+    """Who wrote the workers' Deployment's scale subresource after audit line `since`."""
+    out = []
+    for line in (cluster.state_dir / "audit.log").read_text().splitlines()[since:]:
+        event = json.loads(line)
+        ref = event.get("objectRef") or {}
+        if (
+            ref.get("resource") == "deployments"
+            and ref.get("subresource") == "scale"
+            and ref.get("namespace") == ns
+            and ref.get("name") == name
+            and event["verb"] in ("update", "patch")
+            and event.get("responseStatus", {}).get("code") == 200
+        ):
+            out.append(event["user"]["username"])
+    return out
+
+
+def worker_pods(cluster, ns: str) -> list[client.V1Pod]:
+    return client.CoreV1Api(cluster.api).list_namespaced_pod(ns, label_selector=WORKERS).items
+
+
+def test_from_zero_twenty_requests_make_one_scale_up_all_200_and_idle_goes_back_to_zero(
+    operator,  # noqa: F811
+    namespace,  # noqa: F811
+):
+    if not operator.local:
+        pytest.skip("reads the local API server's audit log")
+    ns, name = namespace, "zero"
+    doc = example(name, ns)
+    del doc["spec"]["replicas"]
+    doc["spec"]["autoscaling"] = {
+        "minReplicas": 0,
+        "maxReplicas": 1,  # only the scale from zero can add a worker here
+        "scaleToZeroAfterSeconds": 15,
+        "scaleDownStabilizationSeconds": 10,
+    }
+    apply(operator, doc)
+    apps = client.AppsV1Api(operator.api)
+    router_sa = f"system:serviceaccount:{ns}:{name}-router"
+
+    # A new Deployment starts at 1 (its default): loaded and idle for 15 s, it goes to zero.
+    def at_zero():
+        return apps.read_namespaced_deployment(name, ns).spec.replicas == 0 and not worker_pods(operator, ns)
+
+    wait_for(at_zero, timeout=420, interval=1, what="the idle resource to reach zero")
+    ip = wait_router(operator, name, ns)
+    cr = get_cr(operator, name, ns)
+    assert cr["status"]["endpoint"] == f"http://{name}-router.{ns}.svc:8000"
+    mark = audit_lines(operator)
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        futures = [pool.submit(complete, ip, name, stream=(i % 10 == 0)) for i in range(20)]
+        results = [f.result() for f in futures]
+    assert [status for status, _ in results] == [200] * 20, [r for r in results if r[0] != 200][:3]
+    streams = [body for i, (_, body) in enumerate(results) if i % 10 == 0]
+    assert all(body.rstrip().endswith(b"data: [DONE]") for body in streams), streams
+    # Exactly one scale-up: the router's one write (0 -> 1); the autoscaler held at zero.
+    assert scale_writes(operator, mark, ns, name) == [router_sa]
+    assert apps.read_namespaced_deployment(name, ns).spec.replicas == 1
+
+    # Idle again: back to zero after the cooldown, by the autoscaler; nothing woke it again.
+    wait_for(at_zero, timeout=240, interval=1, what="the resource to return to zero")
+    writers = scale_writes(operator, mark, ns, name)
+    assert writers[0] == router_sa and writers.count(router_sa) == 1, writers
+    assert len(writers) == 2 and writers[1] == OPERATOR_USER, writers
+    decisions = get_cr(operator, name, ns)["status"]["autoscaling"]["lastDecisions"]
+    assert "scale to zero 1 -> 0" in decisions[-1]["reason"], decisions
+
+
+def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
+    operator,  # noqa: F811
+    namespace,  # noqa: F811
+):
+    ns, name = namespace, "flow"
+    apply(operator, example(name, ns, replicas=2))
+    wait_ready(operator, name, ns, replicas=2)
+    ip = wait_router(operator, name, ns)
+    results: list[int] = []
+    errors: list[bytes] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client_loop(i: int) -> None:
+        while not stop.is_set():
+            status, body = complete(ip, name, stream=(i == 0), timeout=120)
+            with lock:
+                results.append(status)
+                if status != 200:
+                    errors.append(body[:300])
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(results) >= 10, timeout=120, interval=0.5, what="requests through the router")
+    victim = worker_pods(operator, ns)[0].metadata.name
+    operator.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+    before = len(results)
+    wait_for(
+        lambda: all(p.metadata.name != victim for p in worker_pods(operator, ns)),
+        timeout=120,
+        interval=0.5,
+        what="the deleted worker to drain and go",
+    )
+    wait_ready(operator, name, ns, replicas=2)  # its replacement
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(timeout=150)
+    assert not errors, errors[:5]
+    assert len(results) > before  # requests were served while the worker went
+    assert set(results) == {200}
+
+
+def test_an_inference_pool_appears_where_its_crd_is_installed(operator, namespace):  # noqa: F811
+    # Left installed: the session's later resources get pools too, which nothing else minds (and
+    # deleting it would fail applies until the operator's next discovery).
+    crd = TESTDATA / "inferencepools-crd.test-copy.yaml"
+    operator.kubectl("apply", "--server-side", "-f", str(crd))
+    operator.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "crd/inferencepools.inference.networking.k8s.io",
+        "--timeout=60s",
+    )
+    ns, name = namespace, "pooled"
+    apply(operator, example(name, ns, replicas=1))
+    custom = client.CustomObjectsApi(operator.api)
+
+    def pool():
+        try:
+            return custom.get_namespaced_custom_object(*POOLS[:2], ns, POOLS[2], name)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    # Discovery is asked every 30 s (KVSCALE_DISCOVERY_SECONDS), then every resource gets its pool.
+    found = wait_for(pool, timeout=120, interval=1, what="the InferencePool")
+    dep = client.AppsV1Api(operator.api).read_namespaced_deployment(name, ns)
+    assert found["spec"]["selector"]["matchLabels"] == dep.spec.selector.match_labels
+    assert found["spec"]["targetPorts"] == [{"number": 8000}]
+    uid = get_cr(operator, name, ns)["metadata"]["uid"]
+    assert [r["uid"] for r in found["metadata"]["ownerReferences"]] == [uid]
+    # Deleted by hand, the next resync (KVSCALE_RESYNC_SECONDS, 300) puts it back: not waited for
+    # here; tests/test_selfheal_units.py shows it.

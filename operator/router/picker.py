@@ -1,0 +1,107 @@
+"""The pure picking function: which endpoint takes a request, or None (nobody can: it queues).
+
+Filter, guard, score, pick:
+1. filter: an endpoint at its limit cannot take a request: `waiting >= max_waiting`, or a full KV
+   cache (`kv_usage >= max_kv_usage`) while requests already wait there. A full KV cache with
+   nothing waiting is a busy worker, not a saturated one: it admits as blocks free.
+2. bounded load (consistent hashing with bounded loads, Mirrokni et al.; KubeAI's CHWBL): with
+   `total` requests of the router in flight on the n endpoints left, none whose in-flight count is
+   at or over ceil(c x (total + 1) / n) may take one. The least-loaded endpoint is always under it
+   (c >= 1), so the guard never empties the set; a hot prefix spills to the next-best endpoint.
+3. score, as llm-d's default scheduling profile (prefix-cache-scorer 3, kv-cache-utilization-scorer
+   2, queue-scorer 2): prefix = matched blocks / the request's blocks; kv = 1 - kv_usage;
+   queue = 1 - (queued - min) / (max - min) over the endpoints left (1 when all are equal), where
+   queued is what waits for admission there: the scraped waiting count (every client's, but a
+   scrape old), or, when higher, the router's own requests there beyond the scraped running ones
+   (sent since that scrape). As llm-d's queue-scorer, it counts waiting, not running, requests: a
+   worker batching more requests is not slower to start one more until it queues them, so a busier
+   home keeps its prefixes (the guard bounds how much busier).
+4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
+   that equal endpoints split new prefixes between them deterministically, then by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+
+@dataclass(frozen=True)
+class Weights:
+    prefix: float = 3.0
+    kv: float = 2.0
+    queue: float = 2.0
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    weights: Weights = Weights()
+    load_factor: float = 1.25  # c of the bounded-load guard (>= 1)
+    max_waiting: int = 32  # an endpoint with this many waiting requests takes no more
+    max_kv_usage: float = 0.95
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # the endpoint's URL
+    kv_usage: float = 0.0  # scraped, 0-1
+    waiting: int = 0  # scraped
+    running: int = 0  # scraped
+    in_flight: int = 0  # the router's own requests there now
+    prefix_match: int = 0  # leading blocks of this request its index holds
+
+    @property
+    def queued(self) -> int:
+        return max(self.waiting, self.in_flight - self.running)
+
+
+def can_take(c: Candidate, config: PickerConfig) -> bool:
+    if c.waiting >= config.max_waiting:
+        return False
+    return not (c.kv_usage >= config.max_kv_usage and c.waiting > 0)
+
+
+def load_bound(total_in_flight: int, n: int, load_factor: float) -> int:
+    """In-flight count at or over which an endpoint takes nothing new (CHWBL's capacity)."""
+    return math.ceil(load_factor * (total_in_flight + 1) / n)
+
+
+def _tie_break(first_block: int, name: str) -> int:
+    return xxhash.xxh3_64_intdigest(first_block.to_bytes(8, "little") + name.encode())
+
+
+def pick(
+    candidates: Sequence[Candidate],
+    num_blocks: int,
+    first_block: int = 0,
+    config: PickerConfig = PickerConfig(),
+) -> str | None:
+    """The endpoint for a request of `num_blocks` hashed blocks (the first one's hash for tie-breaks),
+    or None when no candidate can take it."""
+    able = [c for c in candidates if can_take(c, config)]
+    if not able:
+        return None
+    bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
+    able = [c for c in able if c.in_flight < bound]
+    lo, hi = min(c.queued for c in able), max(c.queued for c in able)
+    w = config.weights
+
+    def score(c: Candidate) -> float:
+        prefix = c.prefix_match / num_blocks if num_blocks else 0.0
+        queue = 1.0 - (c.queued - lo) / (hi - lo) if hi > lo else 1.0
+        return w.prefix * prefix + w.kv * (1.0 - min(1.0, max(0.0, c.kv_usage))) + w.queue * queue
+
+    best = max(able, key=lambda c: (score(c), _tie_break(first_block, c.name), c.name))
+    return best.name
+
+
+def pick_round_robin(
+    candidates: Sequence[Candidate], turn: int, config: PickerConfig = PickerConfig()
+) -> str | None:
+    """The baseline: the `turn`-th endpoint (by name) of those that can take a request, as a
+    per-request round-robin balancer would; the limits filter applies the same way."""
+    able = sorted((c for c in candidates if can_take(c, config)), key=lambda c: c.name)
+    return able[turn % len(able)].name if able else None

@@ -1,0 +1,45 @@
+"""The routing benchmark's arithmetic (worker/bench/route.py): deltas of the workers' counters,
+percentiles, balance and the goals; the benchmark itself runs real workers (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from kvscale.worker.bench.route import ClientRun, TurnResult, compare, summarize
+
+
+def _counters(q, h, n, p):
+    return {
+        "vllm:prefix_cache_queries": q,
+        "vllm:prefix_cache_hits": h,
+        "vllm:request_success": n,
+        "vllm:prompt_tokens": p,
+    }
+
+
+def test_summarize_uses_counter_deltas_and_reports_balance():
+    run = ClientRun(
+        [TurnResult(0.0, 0.1, 1.0, 4), TurnResult(0.0, 0.3, 1.0, 4), TurnResult(error="HTTP 503")], 2.0
+    )
+    before = [_counters(100, 50, 1, 10), _counters(0, 0, 0, 0)]
+    after = [_counters(300, 200, 4, 310), _counters(100, 10, 2, 100)]
+    s = summarize(run, before, after, 0.5)
+    assert s["prefix_cache_hit_rate"] == round(160 / 300, 4)
+    assert [w["requests"] for w in s["per_worker"]] == [3, 2]
+    assert s["per_worker"][0]["prefix_cache_hit_rate"] == 0.75
+    assert s["load_balance_max_over_mean"] == 1.2
+    assert s["errors"] == 1 and s["output_tokens"] == 8 and s["output_tokens_per_s"] == 4.0
+    assert s["ttft_ms"]["p50"] == 200.0
+
+
+def test_compare_meets_goals_only_when_clean():
+    rr = {"prefix_cache_hit_rate": 0.2, "ttft_ms": {"p50": 1000.0}, "output_tokens_per_s": 10.0, "errors": 0}
+    router = {
+        "prefix_cache_hit_rate": 0.5,
+        "ttft_ms": {"p50": 500.0},
+        "output_tokens_per_s": 11.0,
+        "errors": 0,
+    }
+    c = compare(router, rr)
+    assert c["hit_rate_ratio"] == 2.5 and c["ttft_p50_reduction"] == 0.5 and c["throughput_ratio"] == 1.1
+    assert all(g["met"] for g in c["goals"].values())
+    assert not any(g["met"] for g in compare({**router, "errors": 1}, rr)["goals"].values())
+    assert not compare({**router, "prefix_cache_hit_rate": 0.25}, rr)["goals"]["hit_rate_ratio"]["met"]

@@ -1,0 +1,249 @@
+"""The router's picking function, prefix index and state (kvscale.operator.router): pure, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvscale.operator.router.picker import Candidate, PickerConfig, load_bound, pick, pick_round_robin
+from kvscale.operator.router.prefix_index import (
+    PrefixIndex,
+    block_hashes,
+    chat_prefix_text,
+    prompt_prefix_text,
+)
+from kvscale.operator.router.state import RouterState, WorkerMetrics
+
+ENDPOINTS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+SYSTEM = "You are a careful Python reviewer. " * 40  # ~1,400 characters: 21 blocks
+text = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=300)
+
+
+def state(*endpoints: str, **kw) -> RouterState:
+    s = RouterState(**kw)
+    s.set_endpoints(endpoints or ENDPOINTS)
+    return s
+
+
+# -- hashing --------------------------------------------------------------------------------------
+def test_block_hashes_are_chained_per_model_and_skip_a_partial_block():
+    a = block_hashes("m", "x" * 64 * 3 + "tail", block_chars=64)
+    assert len(a) == 3
+    assert block_hashes("m", "x" * 64 * 2, block_chars=64) == a[:2]
+    assert block_hashes("other", "x" * 64 * 3, block_chars=64)[0] != a[0]  # per model
+    # Chained: a block equal to an earlier one still hashes differently at another position.
+    assert len(set(a)) == 3
+    assert block_hashes("m", "y" + "x" * 64 * 3, block_chars=64)[1:] != a[1:]
+
+
+@given(text, text)
+def test_a_text_extending_another_keeps_its_hashes(first, more):
+    assert block_hashes("m", first + more, 8)[: len(first) // 8] == block_hashes("m", first, 8)
+
+
+def test_chat_serialization_extends_with_the_conversation():
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert chat_prefix_text(turn2).startswith(chat_prefix_text(turn1))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert chat_prefix_text(parts) == chat_prefix_text([{"role": "user", "content": "ab"}])
+    # role and content are delimited: moving text from one into the other changes the string
+    assert chat_prefix_text([{"role": "user", "content": "x"}]) != chat_prefix_text([{"role": "userx"}])
+
+
+def test_prompt_text_of_strings_ids_and_batches():
+    assert prompt_prefix_text("abc") == "abc"
+    assert prompt_prefix_text(["abc", "def"]) == "abc"
+    assert prompt_prefix_text([1, 22, 3]) == "1,22,3,"
+    assert prompt_prefix_text([1, 22, 3, 4]).startswith(prompt_prefix_text([1, 22, 3]))
+    assert prompt_prefix_text([[5, 6], [7]]) == "5,6,"
+    assert prompt_prefix_text(None) == ""
+
+
+# -- the index ------------------------------------------------------------------------------------
+def test_index_match_stops_at_the_first_miss_and_evicts_tails_first():
+    idx = PrefixIndex(default_capacity=4)
+    idx.record("a", [1, 2, 3])
+    assert idx.match_length("a", [1, 2, 3, 4]) == 3
+    assert idx.match_length("a", [1, 9, 3]) == 1
+    assert idx.match_length("b", [1]) == 0
+    idx.record("a", [7, 8])  # over capacity: the oldest (the tail of the first prompt) goes
+    assert idx.size("a") == 4
+    assert idx.match_length("a", [1, 2, 3]) == 2
+    assert idx.match_length("a", [7, 8]) == 2
+    idx.set_capacity("a", 2)
+    assert idx.size("a") == 2 and idx.match_length("a", [7, 8]) == 2
+
+
+# -- affinity ---------------------------------------------------------------------------------------
+def _hashes(s: str) -> list[int]:
+    return block_hashes("tiny", s)
+
+
+def test_a_shared_prefix_with_different_suffixes_goes_to_the_same_endpoint():
+    s = state()
+    first = s.choose(_hashes(SYSTEM + "Review this: def f(): pass"))
+    s.release(first)
+    for suffix in ("Review that: class A: ...", "And this one: import os" * 3, "x" * 500):
+        chosen = s.choose(_hashes(SYSTEM + suffix))
+        assert chosen == first
+        s.release(chosen)
+
+
+def test_a_prompt_extending_an_earlier_one_goes_where_it_went_even_under_even_load():
+    s = state()
+    # Every endpoint busy with 3 requests of its own prefix; the conversation's next turn still
+    # goes where its first turn went.
+    for i in range(9):
+        s.choose(_hashes(f"unrelated prompt number {i} " * 20))
+    assert sorted(s.in_flight.values()) == [3, 3, 3]
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "explain decorators"}]
+    where = s.choose(_hashes(chat_prefix_text(turn1)))
+    s.release(where)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "a decorator wraps " * 10},
+        {"role": "user", "content": "?"},
+    ]
+    assert s.choose(_hashes(chat_prefix_text(turn2))) == where
+
+
+def test_new_prefixes_spread_over_idle_endpoints():
+    s = state()
+    picked = set()
+    for i in range(30):
+        e = s.choose(_hashes(f"conversation {i}: " + "q" * 200))
+        picked.add(e)
+        s.release(e)
+    assert picked == set(ENDPOINTS)
+
+
+def test_kv_usage_and_queue_steer_away_from_a_loaded_endpoint():
+    cands = [
+        Candidate("a", kv_usage=0.9, waiting=3, running=8),
+        Candidate("b", kv_usage=0.1, waiting=0, running=1),
+    ]
+    assert pick(cands, 4) == "b"
+
+
+def test_a_busier_home_keeps_its_prefix_until_requests_queue_there():
+    # The home holds the request's prefix (9 of 10 blocks) and batches more, with more KV in use.
+    home = Candidate("home", kv_usage=0.6, running=3, in_flight=3, prefix_match=9)
+    other = Candidate("other", kv_usage=0.2, running=1, in_flight=1)
+    third = Candidate("third", kv_usage=0.5, running=3, in_flight=3)
+    assert pick([home, other, third], 10) == "home"
+    # Once requests wait there, scraped or sent since the last scrape (in flight beyond running),
+    # the queue score moves it; all three are under the load bound (ceil(1.25 x 8 / 3) = 4).
+    waiting = Candidate("home", kv_usage=0.6, running=3, waiting=4, in_flight=3, prefix_match=9)
+    unseen = Candidate("home", kv_usage=0.6, running=1, in_flight=3, prefix_match=9)
+    assert pick([waiting, other, third], 10) == "other"
+    assert pick([unseen, other, third], 10) == "other"
+
+
+def test_an_endpoint_at_its_limit_takes_nothing_and_none_when_all_are():
+    config = PickerConfig(max_waiting=4, max_kv_usage=0.95)
+    full_queue = Candidate("a", waiting=4, prefix_match=10)
+    full_kv_waiting = Candidate("b", kv_usage=0.97, waiting=1, prefix_match=10)
+    full_kv_idle_queue = Candidate("c", kv_usage=0.97, waiting=0)
+    assert pick([full_queue, full_kv_waiting, full_kv_idle_queue], 10, config=config) == "c"
+    assert pick([full_queue, full_kv_waiting], 10, config=config) is None
+    assert pick([], 10) is None
+    assert pick_round_robin([full_queue, full_kv_waiting], 0, config) is None
+
+
+def test_the_guard_spills_a_hot_prefix():
+    s = state()
+    hot = _hashes(SYSTEM)
+    counts: dict[str, int] = {}
+    for _ in range(30):  # 30 concurrent requests of one prefix: no endpoint takes over ceil(1.25*30/3)
+        e = s.choose(hot)
+        counts[e] = counts.get(e, 0) + 1
+    assert max(counts.values()) <= math.ceil(1.25 * 30 / 3)
+    assert len(counts) == 3
+
+
+# -- the bounded-load guard holds under any sequence of arrivals ------------------------------------
+events = st.lists(
+    st.tuples(
+        st.booleans(),  # arrival (True) or a completion
+        st.integers(0, 5),  # which prefix (arrival) / which endpoint (completion)
+        st.integers(0, 1000),  # metrics seed
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events, st.integers(1, 6), st.sampled_from([1.0, 1.1, 1.25, 2.0]))
+def test_bounded_load_guard_holds_under_any_sequence(seq, n, c):
+    names = [f"http://e{i}" for i in range(n)]
+    s = RouterState(PickerConfig(load_factor=c, max_waiting=10**9))
+    s.set_endpoints(names)
+    prefixes = [_hashes(f"prefix {p} " * 30) for p in range(6)]
+    for arrival, which, seed in seq:
+        for i, name in enumerate(names):  # arbitrary scraped metrics
+            s.update_metrics(
+                name, WorkerMetrics(kv_usage=((seed + 37 * i) % 100) / 100, running=(seed + i) % 7)
+            )
+        if arrival:
+            total = sum(s.in_flight.values())
+            chosen = s.choose(prefixes[which])
+            assert chosen is not None  # somebody is always under the bound
+            # it was under c x the mean load counting this request, as was required of it
+            assert s.in_flight[chosen] - 1 < math.ceil(c * (total + 1) / n)
+        else:
+            name = names[which % n]
+            if s.in_flight.get(name):
+                s.release(name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=80), st.integers(1, 6), st.sampled_from([1.0, 1.25, 2.0]))
+def test_arrivals_alone_never_load_an_endpoint_past_the_bound(seq, n, c):
+    s = RouterState(PickerConfig(load_factor=c))
+    s.set_endpoints(f"http://e{i}" for i in range(n))
+    for k, p in enumerate(seq, start=1):
+        s.choose(_hashes(f"prefix {p} " * 30))
+        assert max(s.in_flight.values()) <= math.ceil(c * k / n)
+
+
+def test_load_bound_is_chwbl_capacity():
+    assert load_bound(0, 3, 1.25) == 1
+    assert load_bound(11, 3, 1.25) == 5
+
+
+# -- endpoints leaving and restarting -----------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.sampled_from(["kv-prefix", "round-robin"]))
+def test_an_endpoint_leaving_the_set_gets_nothing_more(seq, policy):
+    s = state(policy=policy)
+    prefixes = [_hashes(f"prefix {p} " * 30) for p in range(6)]
+    for p in range(6):
+        s.choose(prefixes[p])  # every prefix has a home, some on the one about to leave
+    gone = ENDPOINTS[1]
+    s.set_endpoints([ENDPOINTS[0], ENDPOINTS[2]])
+    assert s.index.size(gone) == 0
+    for p in seq:
+        assert s.choose(prefixes[p]) != gone
+    s.release(gone)  # its requests still in flight finish without harm
+
+
+def test_a_restarted_worker_forgets_its_prefixes_and_its_pool_bounds_the_index():
+    s = state()
+    e = s.choose(_hashes(SYSTEM))
+    s.update_metrics(e, WorkerMetrics(prefix_queries=100, prefix_hits=40, kv_blocks=1000))
+    assert s.index.match_length(e, _hashes(SYSTEM)) == len(_hashes(SYSTEM))
+    s.update_metrics(e, WorkerMetrics(prefix_queries=500, prefix_hits=60, kv_blocks=1000))
+    assert s.index.size(e) > 0
+    s.update_metrics(e, WorkerMetrics(prefix_queries=5, prefix_hits=0, kv_blocks=1000))  # counters reset
+    assert s.index.size(e) == 0
+    s.choose(_hashes(SYSTEM), exclude=[x for x in ENDPOINTS if x != e])
+    s.update_metrics(e, WorkerMetrics(prefix_queries=6, prefix_hits=0, kv_blocks=4))
+    assert s.index.size(e) == 4
+
+
+def test_round_robin_cycles_over_those_that_can_take():
+    s = state(policy="round-robin")
+    assert [s.choose([]) for _ in range(6)] == sorted(ENDPOINTS) * 2

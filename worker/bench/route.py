@@ -1,0 +1,426 @@
+"""Routing benchmark: 3 real workers behind kvscale-router, against the same router in round-robin
+mode, on one seeded multi-turn workload whose shared prefixes do not fit one worker's KV cache.
+
+Workload (`conversations`): S system prompts (held-out code, `--system-tokens` each) shared by C
+conversations (conversation i has prompt i mod S) of T turns; each turn appends a user message
+(another held-out snippet) to the conversation so far, including the assistant's previous reply,
+so every turn extends the one before it. At most `--concurrency` conversations run at once (each
+one's turns in order), every turn a streaming chat completion, greedy, EOS ignored, `--max-tokens`.
+The workers' KV pools (`--num-kv-blocks`) hold fewer tokens than the S system prompts together, so
+a worker that sees every conversation (round-robin) keeps evicting them, and one that sees only
+its share (prefix affinity) keeps them.
+
+Per mode: fresh workers (no mode inherits another's cache) and a fresh router (a subprocess, the
+console script) in front of them; each worker gets one warm-up request, straight, before the
+measured part. Reported per mode: the prefix-cache hit rate from the workers' own counters
+(vllm:prefix_cache_hits / vllm:prefix_cache_queries, the deltas over the measured part), TTFT
+p50/p99 (request sent -> first chunk with content, at the client), output tokens/s over the wall
+time, and per-worker load (requests finished, prompt tokens, hit rate; balance = max/mean of the
+requests). `comparison` divides the router's figures by round-robin's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvscale.worker.bench.serve import ServerProcess, _ms_percentiles, free_port, serve_args, server_command
+from kvscale.worker.bench.workload import held_out_sources
+
+GOALS = {"hit_rate_ratio": 1.5, "ttft_p50_reduction": 0.30, "throughput_ratio": 1.0}
+SERVED_NAME = "tiny"
+MODES = ("router", "round-robin")
+
+
+@dataclass
+class Conversation:
+    system: str
+    users: list[str]  # one per turn
+
+
+def conversations(
+    tokenizer,
+    num_system: int,
+    system_tokens: int,
+    num_conversations: int,
+    turns: int,
+    user_tokens: int,
+    seed: int,
+) -> list[Conversation]:
+    rng = random.Random(seed)
+    files = [p for p in held_out_sources(True) if p.stat().st_size > 8 * (system_tokens + user_tokens)]
+    encoded: dict[Path, list[int]] = {}  # only the files drawn are tokenized
+
+    def snippet(n: int) -> str:
+        path = rng.choice(files)
+        if path not in encoded:
+            encoded[path] = tokenizer.encode(path.read_text(errors="replace"), add_special_tokens=False)
+        ids = encoded[path]
+        start = rng.randrange(0, max(1, len(ids) - n))
+        return tokenizer.decode(ids[start : start + n])
+
+    systems = [snippet(system_tokens) for _ in range(num_system)]
+    return [
+        Conversation(systems[i % num_system], [snippet(user_tokens) for _ in range(turns)])
+        for i in range(num_conversations)
+    ]
+
+
+# -- processes -------------------------------------------------------------------------------------
+def _router_command() -> list[str]:
+    exe = Path(sys.executable).with_name("kvscale-router")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.operator.router.main"]
+
+
+def _start(cmd: list[str], port: int, log_path: Path) -> ServerProcess:
+    import os
+    import subprocess
+
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    return ServerProcess(proc, port, log_path)
+
+
+def start_workers(n: int, model: str, flags: list[str], log_dir: Path, tag: str) -> list[ServerProcess]:
+    """n workers started together (their model loads overlap), each waited for."""
+    workers = []
+    try:
+        for i in range(n):
+            port = free_port()
+            cmd = [*server_command(), *serve_args(model, port, flags)]
+            workers.append(_start(cmd, port, log_dir / f"worker-{tag}-{i}.log"))
+        for w in workers:
+            w.wait_ready(600)
+    except BaseException:
+        stop_all(workers)
+        raise
+    return workers
+
+
+def stop_all(procs: list[ServerProcess]) -> None:
+    """SIGTERM to all, then wait for each: their drains and exits overlap."""
+    import signal
+
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sums of the worker's counters the report needs (all label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    wanted = {
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:request_success",
+        "vllm:prompt_tokens",
+    }
+    out = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            out[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
+
+
+# -- the client --------------------------------------------------------------------------------------
+@dataclass
+class TurnResult:
+    start: float = 0.0
+    first: float | None = None
+    end: float = 0.0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ClientRun:
+    turns: list[TurnResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tuple[TurnResult, str]:
+    import aiohttp
+
+    result, text = TurnResult(), []
+    body = {
+        "model": SERVED_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result.start = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result, ""
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error'].get('message')}"
+                    return result, ""
+                if chunk.get("choices") and (piece := chunk["choices"][0].get("delta", {}).get("content")):
+                    if result.first is None:
+                        result.first = time.perf_counter()
+                    text.append(piece)
+                if chunk.get("usage"):
+                    result.completion_tokens = chunk["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result, ""
+    result.end = time.perf_counter()
+    if result.first is None:
+        result.error = "no content in the stream"
+    return result, "".join(text)
+
+
+async def run_client(url: str, convs: list[Conversation], concurrency: int, max_tokens: int) -> ClientRun:
+    import aiohttp
+
+    run = ClientRun()
+    limit = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def converse(c: Conversation) -> None:
+            async with limit:
+                messages = [{"role": "system", "content": c.system}]
+                for user in c.users:
+                    messages.append({"role": "user", "content": user})
+                    result, reply = await _turn(session, url, messages, max_tokens)
+                    run.turns.append(result)
+                    if result.error is not None:
+                        return
+                    messages.append({"role": "assistant", "content": reply})
+
+        started = time.perf_counter()
+        await asyncio.gather(*(converse(c) for c in convs))
+        run.wall_s = time.perf_counter() - started
+    return run
+
+
+async def _warm_up(url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}
+        async with s.post(url + "/v1/chat/completions", json=body) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"warm-up request failed: HTTP {r.status}")
+
+
+# -- one mode --------------------------------------------------------------------------------------
+def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[str, Any]:
+    flags = [
+        "--served-model-name", SERVED_NAME,
+        "--num-kv-blocks", str(args.num_kv_blocks),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--device", args.device,
+        "--dtype", args.dtype,
+    ]  # fmt: skip
+    workers = start_workers(args.workers, args.model, flags, log_dir, mode)
+    router = None
+    try:
+        for w in workers:
+            asyncio.run(_warm_up(w.base_url))
+        port = free_port()
+        policy = "kv-prefix" if mode == "router" else "round-robin"
+        cmd = [
+            *_router_command(),
+            "--endpoints", ",".join(w.base_url for w in workers),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--policy", policy,
+            "--log-format", "text", "--log-level", "WARNING",
+            *args.router_flag,
+        ]  # fmt: skip
+        router = _start(cmd, port, log_dir / f"router-{mode}.log")
+        router.wait_ready(60)
+        before = [scrape(w.base_url) for w in workers]
+        router_cpu = router.cpu_seconds()
+        run = asyncio.run(run_client(router.base_url, convs, args.concurrency, args.max_tokens))
+        router_cpu = round(router.cpu_seconds() - router_cpu, 2) if router_cpu is not None else None
+        after = [scrape(w.base_url) for w in workers]
+    finally:
+        stop_all([*workers, *([router] if router is not None else [])])
+    return summarize(run, before, after, router_cpu)
+
+
+def summarize(
+    run: ClientRun, before: list[dict], after: list[dict], router_cpu: float | None
+) -> dict[str, Any]:
+    ok = [t for t in run.turns if t.error is None]
+    errors = [t.error for t in run.turns if t.error is not None]
+    per_worker = []
+    for b, a in zip(before, after, strict=True):
+        d = {k: a[k] - b[k] for k in a}
+        q = d["vllm:prefix_cache_queries"]
+        per_worker.append(
+            {
+                "requests": int(d["vllm:request_success"]),
+                "prompt_tokens": int(d["vllm:prompt_tokens"]),
+                "prefix_cache_hit_rate": round(d["vllm:prefix_cache_hits"] / q, 4) if q else None,
+            }
+        )
+    hits = sum(
+        a["vllm:prefix_cache_hits"] - b["vllm:prefix_cache_hits"] for b, a in zip(before, after, strict=True)
+    )
+    queries = sum(
+        a["vllm:prefix_cache_queries"] - b["vllm:prefix_cache_queries"]
+        for b, a in zip(before, after, strict=True)
+    )
+    requests = [w["requests"] for w in per_worker]
+    tokens = sum(t.completion_tokens for t in ok)
+    mean = sum(requests) / len(requests) if requests else 0
+    return {
+        "requests": len(run.turns),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "wall_s": round(run.wall_s, 3),
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
+        "ttft_ms": _ms_percentiles([t.first - t.start for t in ok if t.first is not None]),
+        "e2e_ms": _ms_percentiles([t.end - t.start for t in ok]),
+        "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+        "per_worker": per_worker,
+        "load_balance_max_over_mean": round(max(requests) / mean, 3) if mean else None,
+        "router_cpu_s": router_cpu,
+    }
+
+
+def compare(router: dict[str, Any], rr: dict[str, Any]) -> dict[str, Any]:
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    hit = ratio(router["prefix_cache_hit_rate"], rr["prefix_cache_hit_rate"])
+    p50_r, p50_b = router["ttft_ms"]["p50"], rr["ttft_ms"]["p50"]
+    reduction = round(1 - p50_r / p50_b, 3) if p50_r is not None and p50_b else None
+    tput = ratio(router["output_tokens_per_s"], rr["output_tokens_per_s"])
+    clean = router["errors"] == 0 and rr["errors"] == 0
+    return {
+        "hit_rate_ratio": hit,
+        "ttft_p50_reduction": reduction,
+        "throughput_ratio": tput,
+        "goals": {
+            name: {
+                "goal": goal,
+                "value": value,
+                "met": value is not None and value >= goal and clean,
+            }
+            for name, goal, value in (
+                ("hit_rate_ratio", GOALS["hit_rate_ratio"], hit),
+                ("ttft_p50_reduction", GOALS["ttft_p50_reduction"], reduction),
+                ("throughput_ratio", GOALS["throughput_ratio"], tput),
+            )
+        },
+    }
+
+
+def run(args) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    convs = conversations(
+        tokenizer,
+        args.system_prompts,
+        args.system_tokens,
+        args.conversations,
+        args.turns,
+        args.user_tokens,
+        args.seed,
+    )
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvscale-bench-route-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    order = [m.strip() for m in args.order.split(",") if m.strip()]
+    if not order or len(set(order)) != len(order) or not set(order) <= set(MODES):
+        raise ValueError(f"--order must name {' and/or '.join(MODES)}, each at most once, got {args.order!r}")
+    modes = {mode: run_mode(args, mode, convs, log_dir) for mode in order}
+    block_size = 16
+    return {
+        "model": args.model,
+        "workers": args.workers,
+        "workload": {
+            "system_prompts": args.system_prompts,
+            "system_tokens": args.system_tokens,
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "user_tokens": args.user_tokens,
+            "max_tokens": args.max_tokens,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            # the shared prefixes against one worker's pool: > 1 means they do not fit one worker
+            "system_tokens_over_one_kv_pool": round(
+                args.system_prompts * args.system_tokens / (args.num_kv_blocks * block_size), 2
+            ),
+        },
+        "worker_flags": {
+            "num_kv_blocks": args.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "device": args.device,
+            "dtype": args.dtype,
+        },
+        "router_flags": args.router_flag,
+        "logs": str(log_dir),
+        "modes": modes,
+        # Only when both ran (a single mode is for checking the setup).
+        "comparison": compare(modes["router"], modes["round-robin"]) if len(modes) == 2 else None,
+    }
+
+
+def add_parser(sub, parents: list) -> None:
+    p = sub.add_parser(
+        "route", parents=parents, help="kvscale-router in front of real workers against round-robin"
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--system-prompts", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=384)
+    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--user-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=6, help="conversations in flight")
+    p.add_argument("--num-kv-blocks", type=int, default=160, help="each worker's KV pool (16-token blocks)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--order",
+        default="round-robin,router",
+        help="the modes, in the order they run (one alone: a setup check)",
+    )
+    p.add_argument(
+        "--router-flag",
+        action="append",
+        default=[],
+        help="an extra kvscale-router flag (repeatable, e.g. --router-flag=--load-factor=1.5)",
+    )
+    p.add_argument("--log-dir", default=None, help="where worker and router logs go (default: a temp dir)")
+    p.set_defaults(func=run)
