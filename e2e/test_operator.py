@@ -212,8 +212,12 @@ def complete(address: str, served_name: str) -> dict:
             "with autoscaling the operator's autoscaler sets the worker count: leave replicas out",
         ),
         (
-            {"model": {"uri": "/m"}, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
-            "spec.autoscaling.minReplicas",
+            {
+                "model": {"uri": "/m"},
+                "router": {"enabled": False},
+                "autoscaling": {"minReplicas": 0, "maxReplicas": 2},
+            },
+            "autoscaling.minReplicas 0 needs the router",
         ),
         ({"model": {"uri": "/m"}, "autoscaling": {"maxReplicas": 0}}, "spec.autoscaling.maxReplicas"),
         (

@@ -126,7 +126,13 @@ def test_from_zero_twenty_requests_make_one_scale_up_all_200_and_idle_goes_back_
 
     # A new Deployment starts at 1 (its default): loaded and idle for 15 s, it goes to zero.
     def at_zero():
-        return apps.read_namespaced_deployment(name, ns).spec.replicas == 0 and not worker_pods(operator, ns)
+        try:
+            replicas = apps.read_namespaced_deployment(name, ns).spec.replicas
+        except client.ApiException as e:
+            if e.status == 404:
+                return False  # the operator has not created it yet
+            raise
+        return replicas == 0 and not worker_pods(operator, ns)
 
     wait_for(at_zero, timeout=420, interval=1, what="the idle resource to reach zero")
     ip = wait_router(operator, name, ns)
