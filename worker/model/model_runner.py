@@ -188,11 +188,13 @@ class ModelRunner:
         if plain:
             rows = torch.from_numpy(offsets[plain]).to(self.device)
             requests = [out.requests[i] for i in plain]
+            grammar = out.grammar_bitmask
             result = self.sampler(
                 logits[rows],
                 SamplingMetadata.from_requests(
                     requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
                 ),
+                mask_logits=grammar.masker(plain) if grammar is not None else None,
             )
             for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
                 sampled[i] = [token_id]
