@@ -157,8 +157,10 @@ class LLMEngine:
                 self._structured_output = StructuredOutputManager(backend)
             return self._structured_output
 
-    def _check_structured_outputs(self, params: SamplingParams) -> None:
-        """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued."""
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued. The
+        first call loads the grammar library's view of the vocabulary: the server calls this off
+        its event loop first."""
         if self.spec_decoder is not None:
             raise ValueError(
                 "structured outputs are not supported with speculative decoding yet: this worker "
@@ -202,7 +204,7 @@ class LLMEngine:
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if params.structured_outputs is not None:
-            self._check_structured_outputs(params)
+            self.check_structured_outputs(params)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"

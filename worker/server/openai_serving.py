@@ -184,6 +184,18 @@ class OpenAIServing:
         except ValueError as e:
             raise _bad_request(str(e)) from None
 
+    async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
+        """A 400 naming `param` for a constraint the engine cannot enforce (an unsupported JSON
+        schema keyword, a malformed regex or grammar, speculative decoding on), before anything is
+        queued. Off the event loop: the first one builds the grammar library's vocabulary tables."""
+        if params.structured_outputs is None:
+            return
+        engine = self.llm.engine
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.check_structured_outputs, params)
+        except ValueError as e:
+            raise _bad_request(str(e), param=param) from None
+
     def check_prompt_size(self, size: int, param: str) -> None:
         """Refuse a prompt that cannot fit before tokenizing it. `size` is its length in characters
         (a lower bound on its bytes, known in O(1)) or in UTF-8 bytes."""
@@ -295,6 +307,7 @@ class OpenAIServing:
             )
             for p in prompts
         ]
+        await self.check_structured_outputs(params[0], body.structured_outputs_param)
         self.check_capacity(len(prompts) * body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -378,6 +391,7 @@ class OpenAIServing:
         )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
+        await self.check_structured_outputs(params, body.structured_outputs_param)
         self.check_capacity(body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-from kvscale.worker.sample.sampling_params import SamplingParams
+from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -49,6 +49,7 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 64  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # logprobs (completions) / top_logprobs (chat)
+MAX_CHOICES = 256  # strings in one structured-outputs choice list
 
 # OpenAI-defined fields that ask for something we do not do: refused unless absent, null, or the
 # value that means what we do anyway.
@@ -73,6 +74,55 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`. The schema is always enforced while decoding: `strict` only
+    says the client wants that (OpenAI's strict mode), so it changes nothing here."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_its_type(cls, v, info: ValidationInfo):
+        if (v is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return v
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint. Unknown keys (vLLM's
+    `structural_tag`, `whitespace_pattern`) are refused, not ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# vLLM's fields before v0.12 (`guided_json` -> structured_outputs.json, ...), still sent by many clients.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class _SamplingFields(BaseModel):
@@ -105,6 +155,31 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Structured outputs (docs/server.md): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; at most one of them constrains a request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, v):
+        if v is not None:
+            raise ValueError("not supported (structured_outputs.disable_any_whitespace is)")
+        return v
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _xgrammar_only(cls, v):
+        # vLLM removed the field; a client naming the backend we run (or auto) is served.
+        if v is not None and v not in ("auto", "xgrammar"):
+            raise ValueError("only xgrammar is available")
+        return v
 
     # Field validators (not model validators), so that the 400's `param` names the field.
     @field_validator("logit_bias")
@@ -153,7 +228,43 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one constraint; APIError (400 naming the field) for two, or a malformed one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.model_dump(exclude_none=True)))
+        for name, key in _GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(n for n, _ in given)
+            raise APIError(
+                400, f"only one structured-output constraint is allowed, got {names}", param=given[1][0]
+            )
+        param, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    @property
+    def structured_outputs_param(self) -> str | None:
+        """The field that carries the request's constraint (for the 400 of one the engine refuses)."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next((n for n in _GUIDED_FIELDS if getattr(self, n) is not None), None)
 
     @property
     def include_usage(self) -> bool:
@@ -262,7 +373,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # OpenAI's, not implemented (see _NO_OP_VALUES)
     functions: Any = None
@@ -285,13 +395,6 @@ class ChatCompletionRequest(_SamplingFields):
         no_ops = _NO_OP_VALUES[info.field_name]
         if v is not None and not any(v == ok and type(v) is type(ok) for ok in no_ops):
             raise ValueError("not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v and v.get("type", "text") != "text":
-            raise ValueError("types other than text are not supported")
         return v
 
     @field_validator("top_logprobs")

@@ -44,9 +44,10 @@ _SCHEMA_ONE = (
 )  # fmt: skip
 _SCHEMA_LISTS = ("prefixItems", "items", "anyOf", "oneOf", "allOf")
 
-# JSON's free whitespace is bounded to this many characters per gap: enough to indent four levels
-# by four spaces, and a model that likes newlines (a code model does) cannot spend max_tokens on it.
-MAX_JSON_WHITESPACE = 16
+# JSON's free whitespace is bounded to this many characters per gap between tokens (", " and ": "
+# as json.dumps writes them, or a newline and a space): a model that likes newlines, as a code model
+# does, otherwise writes one per token until max_tokens (the fixture model wrote 16 per gap at 16).
+MAX_JSON_WHITESPACE = 2
 
 # xgrammar's C++ errors start with a log prefix: "[15:20:15] /project/cpp/file.cc:94: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
