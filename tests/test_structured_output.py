@@ -347,6 +347,18 @@ def test_the_compile_cache_serves_one_grammar_to_every_request_with_it(llm: LLM)
     assert len(manager.take_compile_times()) == 1
 
 
+def test_the_engine_reports_constrained_requests_compiles_and_mask_times(llm: LLM) -> None:
+    llm.engine.take_stats()
+    schema = {"type": "object", "properties": {"q": {"enum": [1, 2]}}, "required": ["q"]}
+    outs = llm.generate([PROMPT] * 3, [constrained(0.0, json=schema)] * 2 + [PLAIN])
+    stats = llm.engine.take_stats()
+    assert stats.num_structured_requests == 2
+    assert len(stats.grammar_compile_times) == 1 and stats.grammar_compile_times[0] > 0
+    # One mask per step in which a constrained request sampled: each of its tokens.
+    assert len(stats.grammar_mask_times) == len(outs[0].outputs[0].token_ids)
+    assert all(t > 0 for t in stats.grammar_mask_times)
+
+
 # -- the mask in the sampler ---------------------------------------------------------------------
 def test_the_mask_touches_constrained_rows_only_in_every_sampling_mode(llm: LLM) -> None:
     backend = llm.engine.structured_output.backend
