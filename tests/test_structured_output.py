@@ -244,6 +244,8 @@ def test_params_need_exactly_one_constraint() -> None:
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
     # A schema as a dict and as its JSON text is one cache entry.
     assert (
         StructuredOutputsParams(json={"b": 1, "a": 2}).key

@@ -194,6 +194,11 @@ class SamplingParams:
                 self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
                 "cache_salt must be a non-empty string if given",
             ),
+            (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
+            ),
         ]
         for ok, message in checks:
             if not ok:
