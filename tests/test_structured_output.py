@@ -6,6 +6,7 @@ One engine per module, one batch for the ten schemas: the 2-core machine is shar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -204,6 +205,22 @@ def test_grammar_end_stops_the_request_even_with_ignore_eos(llm: LLM) -> None:
     )
     out = llm.generate(PROMPT, params)[0].outputs[0]
     assert (out.text, out.finish_reason) == ("done", "stop")
+
+
+def test_a_preempted_request_resumes_its_grammar_where_it_was(target_model: str) -> None:
+    """A pool too small for four at once: requests are preempted and recomputed, their matchers
+    keep their place (recompute does not re-sample), and every output still validates."""
+    # 6 blocks of 16: each request's worst case (prompt + 64) fits alone; four of ~30 tokens do not.
+    small = LLM(target_model, num_kv_blocks=6, max_model_len=256, max_num_seqs=4, dtype="float32")
+    schema = SCHEMAS["array_of_objects"]
+    params = [
+        dataclasses.replace(constrained(1.0, seed=i, json=schema, disable_any_whitespace=True), max_tokens=64)
+        for i in range(4)
+    ]
+    outs = small.generate([PROMPT] * 4, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
 # -- refusals, before anything is queued ---------------------------------------------------------
