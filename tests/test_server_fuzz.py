@@ -230,7 +230,8 @@ FIELDS = [
     "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "top_logprobs", "echo", "best_of",
     "suffix", "response_format", "tools", "tool_choice", "add_generation_prompt", "role", "content",
-    "type", "text", "include_usage", "name",
+    "type", "text", "include_usage", "name", "structured_outputs", "json_schema", "schema", "regex",
+    "choice", "grammar", "json", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 ]  # fmt: skip
 
 texts = st.text() | st.sampled_from(["", "\ud800", "\udfff", "\x00", "def f(x):", "é" * 50, "\U0001f600"])
@@ -310,7 +311,25 @@ BAD_VALUES: dict[str, list[Any]] = {
     ],
     "logprobs": [-1, 21, 2**70, "5", 1.5, None, True, 5],
     "top_logprobs": [-1, 21, 5, "x", 2**70],
-    "response_format": [{"type": "json_object"}, {"type": 5}, {}, "text", {"type": "text"}, []],
+    "response_format": [
+        {"type": "json_object"}, {"type": 5}, {}, "text", {"type": "text"}, [], {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "maximum": 9}}},
+        {"type": "json_schema", "json_schema": {"schema": {}}}, {"type": "text", "json_schema": {}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+    ],
+    "structured_outputs": [
+        {"regex": "[a-z"}, {"json": {"uniqueItems": True}}, {}, {"choice": []}, {"grammar": 5}, "x",
+        {"json_object": True}, {"regex": "a", "choice": ["a"]}, {"structural_tag": {}},
+        {"choice": ["a"] * 300},
+        {"json": "{not json"}, {"json": {"$ref": "http://x"}}, {"grammar": 'root ::= "a" | "b"'},
+        {"grammar": "start: /[0-9]+/"}, {"regex": "(?<=a)b"}, {"json_object": False},
+    ],
+    "guided_json": [{"oneOf": [{}]}, "x", 5, {"type": "integer", "maximum": 3, "minimum": 0}, True, []],
+    "guided_regex": ["(", "", 5, "[0-9]", "\\"],
+    "guided_choice": [[], [""], [5], "a", ["a"] * 300, ["yes"], ["\ud800"]],
+    "guided_grammar": ["root ::= x", "", "start: 5", 'root ::= "a"', "::="],
+    "guided_whitespace_pattern": [" ", None],
+    "guided_decoding_backend": ["outlines", "xgrammar", 5],
     "tools": [[{"type": "function"}], {}, "x", []],
     "tool_choice": ["auto", {"x": 1}, 5],
     "add_generation_prompt": ["x", 2, None, False],
