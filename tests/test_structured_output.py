@@ -24,8 +24,6 @@ from kvscale.worker.structured_output.xgrammar_backend import (
     unsupported_json_schema_features,
 )
 
-xgr = pytest.importorskip("xgrammar")
-
 INT = {"type": "integer", "minimum": 0, "maximum": 99}
 SHORT = {"type": "string", "maxLength": 6}
 POINT = {"type": "object", "properties": {"x": INT, "y": INT}, "required": ["x", "y"]}
