@@ -246,12 +246,6 @@ def test_min_tokens_with_a_grammar_is_refused(llm: LLM) -> None:
         )
 
 
-def test_structured_outputs_with_speculative_decoding_is_refused(random_model_factory) -> None:
-    spec = LLM(random_model_factory("llama-gqa"), speculative_method="ngram", num_kv_blocks=64, device="cpu")
-    with pytest.raises(ValueError, match="speculative decoding"):
-        spec.engine.add_request(PROMPT, constrained(0.0, regex="a+"))
-
-
 def test_params_need_exactly_one_constraint() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams()

@@ -42,6 +42,9 @@ class SchedulerOutput:
     # Structured outputs, filled after scheduling: the constrained rows' token bitmask
     # (structured_output.manager.GrammarBitmask); None when no scheduled request is constrained.
     grammar_bitmask: object | None = None
+    # With speculation: one row per verified position of the speculating requests, in the
+    # rejection sampler's order (None when none of them is constrained).
+    verify_bitmask: object | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -161,11 +161,6 @@ class LLMEngine:
         """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued. The
         first call loads the grammar library's view of the vocabulary: the server calls this off
         its event loop first."""
-        if self.spec_decoder is not None:
-            raise ValueError(
-                "structured outputs are not supported with speculative decoding yet: this worker "
-                f"runs {self.args.speculative_method} speculation"
-            )
         if params.min_tokens > 0:
             # min_tokens bans EOS, which is all a complete grammar allows: nothing could be sampled.
             raise ValueError("min_tokens cannot be combined with structured outputs")
@@ -294,10 +289,12 @@ class LLMEngine:
             if self.spec_decoder is not None:
                 self.spec_decoder.propose(scheduled)
             if self._structured_output is not None:
+                self._constrain_proposals(scheduled)
                 self._fill_grammar_bitmask(scheduled)
             result = self.runner.execute_model(scheduled)
-            if scheduled.grammar_bitmask is not None:
-                self._stats.grammar_mask_times.append(scheduled.grammar_bitmask.seconds)
+            masks = [m for m in (scheduled.grammar_bitmask, scheduled.verify_bitmask) if m is not None]
+            if masks:
+                self._stats.grammar_mask_times.append(sum(m.seconds for m in masks))
             if self.spec_decoder is not None:
                 self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
             updated = self.scheduler.update_from_output(
@@ -340,9 +337,30 @@ class LLMEngine:
                 self._fail(parent.request_id, e)
         return outputs
 
+    def _constrain_proposals(self, scheduled) -> None:
+        """Speculating constrained requests' proposals are cut where their grammar refuses one, and
+        get a mask row per verified position (structured_output.manager.constrain_proposals)."""
+        if not any(scheduled.spec_token_ids):
+            return
+        start = time.perf_counter()
+        kept, bitmask = self._structured_output.constrain_proposals(
+            scheduled.requests, scheduled.spec_token_ids
+        )
+        if bitmask is None:
+            return
+        for i, (before, after) in enumerate(zip(scheduled.spec_token_ids, kept, strict=True)):
+            if len(after) == len(before):
+                continue
+            probs = scheduled.spec_draft_probs[i]
+            scheduled.spec_token_ids[i] = after
+            scheduled.spec_draft_probs[i] = probs[: len(after)] if probs is not None else None
+            scheduled.num_scheduled_tokens[i] -= len(before) - len(after)
+        bitmask.seconds += time.perf_counter() - start
+        scheduled.verify_bitmask = bitmask
+
     def _fill_grammar_bitmask(self, scheduled) -> None:
-        """The step's bitmask rows for the constrained requests that sample (no proposals: the two
-        are never combined)."""
+        """The step's bitmask rows for the constrained requests that sample one token (speculating
+        ones got theirs in _constrain_proposals)."""
         start = time.perf_counter()
         samples = [
             r.num_computed_tokens + n == r.num_tokens

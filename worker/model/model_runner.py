@@ -205,9 +205,11 @@ class ModelRunner:
             verify_rows = [
                 SpecDecodeRow(out.requests[i], out.spec_token_ids[i], out.spec_draft_probs[i]) for i in spec
             ]
+            verify_mask = out.verify_bitmask
             verified = self.rejection_sampler(
-                logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state
-            )
+                logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state,
+                mask_logits=verify_mask.masker(list(range(len(rows)))) if verify_mask is not None else None,
+            )  # fmt: skip
             for k, i in enumerate(spec):
                 sampled[i] = verified.token_ids[k]
                 logprobs[i] = verified.logprobs[k]

@@ -215,7 +215,7 @@ class OpenAIServing:
 
     async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
         """A 400 naming `param` for a constraint the engine cannot enforce (an unsupported JSON
-        schema keyword, a malformed regex or grammar, speculative decoding on), before anything is
+        schema keyword, a malformed regex or grammar), before anything is
         queued. Off the event loop: the first one builds the grammar library's vocabulary tables."""
         if params.structured_outputs is None:
             return

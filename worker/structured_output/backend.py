@@ -24,6 +24,10 @@ class StructuredOutputGrammar(ABC):
         """Advance past a sampled token; False (state unchanged) when the grammar forbids it."""
 
     @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculation walks proposals, then returns)."""
+
+    @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of `bitmask`."""
 

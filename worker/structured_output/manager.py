@@ -59,6 +59,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._bitmask = backend.allocate_bitmask(8)
+        self._verify_bitmask = backend.allocate_bitmask(8)  # speculation's rows (constrain_proposals)
         # Drained by take_compile_times (metrics): seconds per compile, from the pool threads.
         self._compile_times: list[float] = []
 
@@ -111,6 +112,55 @@ class StructuredOutputManager:
         for i in rows:
             requests[i].structured_output.matcher.fill_bitmask(self._bitmask, i)
         return GrammarBitmask(self._bitmask[: len(requests)], rows, self.backend.apply_bitmask)
+
+    def constrain_proposals(
+        self, requests: list[Request], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], GrammarBitmask | None]:
+        """Speculation: each constrained request's proposals are walked through its grammar and
+        cut after the first one it refuses (kept: the masked target gives it probability 0, so
+        verification rejects it and samples there exactly as it would have) or the first that ends
+        the grammar (nothing may follow it). Each verified position gets the grammar's bitmask row
+        as it stands there; the position after such a last proposal stays unmasked (it is never
+        emitted: the refused proposal is rejected, the grammar's end stops the request). Rows are
+        in the rejection sampler's order: request after request, 1 + kept proposals each. The
+        matchers end where they began (rolled back).
+        Returns the kept proposals and the mask (None when no speculating request is constrained)."""
+        if all(r.structured_output is None for r, d in zip(requests, drafts, strict=True) if d):
+            return drafts, None
+        total = sum(len(d) + 1 for d in drafts if d)
+        if self._verify_bitmask.shape[0] < total:
+            self._verify_bitmask = self.backend.allocate_bitmask(
+                max(total, 2 * self._verify_bitmask.shape[0])
+            )
+        bitmask = self._verify_bitmask
+        kept: list[list[int]] = []
+        rows: list[int] = []
+        offset = 0
+        for request, proposal in zip(requests, drafts, strict=True):
+            so = request.structured_output
+            if so is None or not proposal:
+                kept.append(proposal)
+                offset += len(proposal) + 1 if proposal else 0
+                continue
+            matcher = so.matcher
+            accepted, cut, masked = 0, len(proposal), [0]
+            for j, token_id in enumerate(proposal):
+                if not matcher.accept_token(token_id):
+                    cut = j + 1
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    cut = j + 1
+                    break
+                matcher.fill_bitmask(bitmask, offset + j + 1)
+                masked.append(j + 1)
+            if accepted:
+                matcher.rollback(accepted)
+            matcher.fill_bitmask(bitmask, offset)  # the first position: where the matcher stands
+            rows.extend(offset + k for k in masked)
+            kept.append(proposal[:cut])
+            offset += cut + 1
+        return kept, GrammarBitmask(bitmask[:offset], rows, self.backend.apply_bitmask)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -101,6 +101,9 @@ class XgrammarMatcher(StructuredOutputGrammar):
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
