@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import longout, serve, spec, throughput
+from kvscale.worker.bench import longout, serve, spec, structured, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_parser(sub, [common])
     spec.add_parser(sub, [common])
     longout.add_parser(sub, [common])
+    structured.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
