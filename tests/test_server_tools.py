@@ -257,3 +257,57 @@ def test_tool_fields_on_the_wrong_message_are_400(client, model, message, param)
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model, messages=[*MESSAGES, message], max_tokens=2)
     assert error_of(exc)["param"] == param
+
+
+# -- tool_choice auto, read by the hermes parser -----------------------------------------------
+# The fixture model never writes <tool_call> on its own: a regex makes it write a known output
+# (auto is not grammar-enforced, so a constraint may be added), which the parser must then read.
+HERMES_REGEX = (
+    r'ok <tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 2, "units": "C"\}\}'
+    r'</tool_call><tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_client(target_model, tmp_path_factory):
+    from server_fixtures import start_server
+
+    proc = start_server(
+        target_model,
+        tmp_path_factory.mktemp("hermes"),
+        "--tool-call-parser",
+        "hermes",
+        "--num-kv-blocks",
+        "256",
+    )
+    yield openai.OpenAI(base_url=proc.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert proc.stop() == 0, proc.log()
+
+
+def test_auto_calls_are_read_by_the_hermes_parser_plain_and_streamed(hermes_client, model) -> None:
+    common = dict(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=256, temperature=0.0,
+        extra_body={"structured_outputs": {"regex": HERMES_REGEX}},
+    )  # fmt: skip
+    r = hermes_client.chat.completions.create(**common)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "ok "
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Oslo", "days": 2, "units": "C"}), ("now", {})]
+    with hermes_client.chat.completions.stream(**common) as stream:
+        final = stream.get_final_completion()
+    streamed = final.choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.content == "ok "
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+def test_auto_without_a_call_is_plain_content(hermes_client, model) -> None:
+    r = hermes_client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0.0
+    )
+    choice = r.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+    assert choice.message.content  # the model's own text, unchanged
