@@ -229,9 +229,10 @@ FIELDS = [
     "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty", "seed", "user",
     "logit_bias", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "top_logprobs", "echo", "best_of",
-    "suffix", "response_format", "tools", "tool_choice", "add_generation_prompt", "role", "content",
-    "type", "text", "include_usage", "name", "structured_outputs", "json_schema", "schema", "regex",
-    "choice", "grammar", "json", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "suffix", "response_format", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
+    "role", "content", "type", "text", "include_usage", "name", "structured_outputs", "json_schema",
+    "schema", "regex", "choice", "grammar", "json", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
 ]  # fmt: skip
 
 texts = st.text() | st.sampled_from(["", "\ud800", "\udfff", "\x00", "def f(x):", "é" * 50, "\U0001f600"])
@@ -308,6 +309,10 @@ BAD_VALUES: dict[str, list[Any]] = {
         [{"role": "system", "content": None}], [{"role": "tool", "content": "x", "tool_call_id": 1}],
         [{"role": "user", "content": {"type": "text", "text": "x"}}], [{"role": None, "content": "x"}],
         [{"role": "user", "content": "x", "name": 5}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+          "function": {"name": "f", "arguments": "{not json"}}]}, {"role": "tool", "content": "1",
+          "tool_call_id": "c"}],
+        [{"role": "assistant", "tool_calls": "x"}], [{"role": "tool", "content": "1"}],
     ],
     "logprobs": [-1, 21, 2**70, "5", 1.5, None, True, 5],
     "top_logprobs": [-1, 21, 5, "x", 2**70],
@@ -330,8 +335,14 @@ BAD_VALUES: dict[str, list[Any]] = {
     "guided_grammar": ["root ::= x", "", "start: 5", 'root ::= "a"', "::="],
     "guided_whitespace_pattern": [" ", None],
     "guided_decoding_backend": ["outlines", "xgrammar", 5],
-    "tools": [[{"type": "function"}], {}, "x", []],
-    "tool_choice": ["auto", {"x": 1}, 5],
+    "tools": [
+        [{"type": "function"}], {}, "x", [], [{"type": "function", "function": {"name": "f"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"uniqueItems": True}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 200,
+        [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+    ],
+    "tool_choice": ["auto", {"x": 1}, 5, "required", "none", {"type": "function", "function": {"name": "f"}}],
+    "parallel_tool_calls": [1, "x", False, None],
     "add_generation_prompt": ["x", 2, None, False],
 }  # fmt: skip
 COMMON = [f for f in BAD_VALUES if f not in ("prompt", "messages", "echo", "best_of", "suffix")]
