@@ -241,9 +241,6 @@ def test_every_unknown_path_is_404_and_wrong_method_405_in_openai_shape(server):
 UNSUPPORTED_CHAT_FIELDS = {
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto",
-    "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
@@ -280,22 +277,13 @@ def test_no_op_values_of_unimplemented_fields_are_accepted(client, model):
     ("message", "param"),
     [
         (
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-            },
-            "messages.1.tool_calls",
-        ),
-        (
             {"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}},
             "messages.1.function_call",
         ),
-        ({"role": "tool", "content": "42", "tool_call_id": "c"}, "messages.1.role"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}, None),
     ],
 )
-def test_tool_calls_in_messages_are_400_not_dropped(client, model, message, param):
+def test_function_calls_and_non_text_parts_in_messages_are_400_not_dropped(client, model, message, param):
     error = bad_request(
         lambda: client.chat.completions.create(model=model, messages=[*MESSAGES, message], max_tokens=2)
     )

@@ -144,6 +144,23 @@ def test_record_moves_metrics_by_exactly_the_iteration_stats():
     assert_twins_agree(samples)
 
 
+def test_structured_output_metrics_move_by_the_iteration_stats():
+    metrics = EngineMetrics(MODEL)
+    assert value(scrape(metrics), "kvscale_structured_output_requests_total") == 0
+    for _ in range(2):
+        stats = IterationStats(
+            num_structured_requests=3, grammar_compile_times=[0.004, 0.2], grammar_mask_times=[0.0003]
+        )
+        metrics.record(stats, SchedulerStats(0, 0, 0.0, 0, 0, 0), num_blocks=64)
+    samples = scrape(metrics)
+    assert value(samples, "kvscale_structured_output_requests_total") == 6
+    assert value(samples, "kvscale_structured_output_compile_seconds_count") == 4
+    assert math.isclose(value(samples, "kvscale_structured_output_compile_seconds_sum"), 2 * 0.204)
+    assert value(samples, "kvscale_structured_output_compile_seconds_bucket", le="0.005") == 2
+    assert value(samples, "kvscale_structured_output_mask_seconds_count") == 2
+    assert value(samples, "kvscale_structured_output_mask_seconds_bucket", le="0.0005") == 2
+
+
 def test_names_follow_prometheus_conventions():
     metrics = EngineMetrics(MODEL)
     metrics.record(iteration(), SchedulerStats(1, 0, 0.1, 0, 0, 0), num_blocks=64)

@@ -405,7 +405,8 @@ def test_completion_invalid_parameter_is_400_naming_it(client, model, kwargs, pa
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
     ],
 )
 def test_chat_invalid_parameter_is_400_naming_it(client, model, kwargs, param):

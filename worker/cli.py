@@ -19,6 +19,7 @@ import time
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.server.json_logging import configure_logging
+from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n",
@@ -104,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("KVSCALE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
+        tool_call_parser=args.tool_call_parser,
         drain_timeout=args.drain_timeout,
         engine_iteration_timeout=args.engine_iteration_timeout,
     )
@@ -150,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="waiting requests beyond this get 429 + Retry-After",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        default=None,
+        help='reads tool calls out of the output for tool_choice "auto" (default: none, auto is a 400)',
     )
     srv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run after SIGTERM"

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import longout, route, serve, spec, throughput
+from kvscale.worker.bench import longout, route, serve, spec, structured, throughput
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_parser(sub, [common])
     longout.add_parser(sub, [common])
     route.add_parser(sub, [common])
+    structured.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

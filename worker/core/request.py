@@ -1,16 +1,24 @@
-"""A request's life inside the engine: WAITING -> RUNNING -> FINISHED_*, RUNNING -> PREEMPTED -> RUNNING."""
+"""A request's life inside the engine: WAITING -> RUNNING -> FINISHED_*, RUNNING -> PREEMPTED -> RUNNING;
+a constrained request starts in WAITING_FOR_GRAMMAR until its grammar is compiled."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvscale.worker.sample.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvscale.worker.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Queued, but its grammar is still compiling (structured outputs): the scheduler passes it over
+    # and admits the requests behind it until the grammar is ready.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"
     # Lost its KV blocks to make room; waits (first in line) to be recomputed from its tokens.
     PREEMPTED = "preempted"
@@ -67,6 +75,8 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None
     # The sequence's sampling seed (SamplingParams.seed, + i for the i-th of n); None: unseeded.
     seed: int | None = None
+    # Constrained decoding: the grammar and this sequence's matcher; None: unconstrained.
+    structured_output: StructuredOutputRequest | None = None
 
     # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
     # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.

@@ -10,12 +10,15 @@ gives most of it back). The oldest running request can always grow, so the loop 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,12 @@ class SchedulerOutput:
     # num_scheduled_tokens) and, for drafts sampled from a distribution, that distribution [n, V].
     spec_token_ids: list[list[int]] = field(default_factory=list)
     spec_draft_probs: list[object | None] = field(default_factory=list)
+    # Structured outputs, filled after scheduling: the constrained rows' token bitmask
+    # (structured_output.manager.GrammarBitmask); None when no scheduled request is constrained.
+    grammar_bitmask: object | None = None
+    # With speculation: one row per verified position of the speculating requests, in the
+    # rejection sampler's order (None when none of them is constrained).
+    verify_bitmask: object | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,6 +72,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests whose grammar failed to compile, aborted by schedule(); the engine reports
+        # them as failed (take_grammar_failures).
+        self.grammar_failures: list[Request] = []
 
     # -- admission ---------------------------------------------------------------------------
     def check_admissible(self, request: Request) -> None:
@@ -86,6 +98,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.structured_output is not None and not request.structured_output.is_ready():
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -134,10 +148,22 @@ class Scheduler:
                 i += 1
 
         # Admit new work only if nothing was just preempted: a full pool would evict it again.
+        # A request whose grammar is still compiling is passed over (it keeps its place in line).
+        skipped: list[Request] = []
         while (
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
         ):
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                so = request.structured_output
+                if not so.is_ready():
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if so.error() is not None:
+                    self._finish(self.waiting.popleft(), RequestStatus.FINISHED_ABORTED)
+                    self.grammar_failures.append(request)
+                    continue
+                request.status = RequestStatus.WAITING
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -155,6 +181,7 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -215,6 +242,8 @@ class Scheduler:
             for j, token_id in enumerate(new_ids):
                 request.append_output_token(token_id, now, new_lps[j] if new_lps else None)
                 status = self.check_stop(request, token_id)
+                if request.structured_output is not None:
+                    status = self._advance_grammar(request, token_id) or status
                 if status is not None:
                     self.running.remove(request)
                     self._finish(request, status)
@@ -224,6 +253,20 @@ class Scheduler:
                 self.kv.free_excess_blocks(request)
             updated.append(request)
         return updated
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Move the request's matcher past its new token: the grammar's end (its stop token
+        accepted) stops the request. A token the grammar refuses cannot come from a masked row; if
+        one does, the request is aborted rather than given output that breaks its constraint."""
+        matcher = request.structured_output.matcher
+        if not matcher.accept_token(token_id):
+            logger.error("request %s: token %d refused by its grammar", request.request_id, token_id)
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
+
+    def take_grammar_failures(self) -> list[Request]:
+        failures, self.grammar_failures = self.grammar_failures, []
+        return failures
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

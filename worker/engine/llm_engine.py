@@ -10,7 +10,10 @@ generated; RequestOutputAccumulator rebuilds whole outputs (LLM.generate uses it
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -29,6 +32,7 @@ from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
 from kvscale.worker.spec_decode.ngram_proposer import NgramProposer
+from kvscale.worker.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,9 @@ class LLMEngine:
         self._seen_prefix = (0, 0)
         self._failed: dict[str, RequestFailedError] = {}
         self._consecutive_failed_steps = 0
+        # Made with the first constrained request (the grammar library reads the whole vocabulary).
+        self._structured_output: StructuredOutputManager | None = None
+        self._structured_output_lock = threading.Lock()
 
     def _make_spec_decoder(self, args: EngineArgs) -> SpeculativeDecoder:
         runner = self.runner
@@ -135,6 +142,29 @@ class LLMEngine:
                     args.block_size,
                 )
         return decoder
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        with self._structured_output_lock:  # make_request runs on the server's thread
+            if self._structured_output is None:
+                try:
+                    from kvscale.worker.structured_output.xgrammar_backend import XgrammarBackend
+                except ImportError as e:
+                    raise ValueError(
+                        f"structured outputs need xgrammar (pip install xgrammar): {e}"
+                    ) from None
+                backend = XgrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                self._structured_output = StructuredOutputManager(backend)
+            return self._structured_output
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued. The
+        first call loads the grammar library's view of the vocabulary: the server calls this off
+        its event loop first."""
+        if params.min_tokens > 0:
+            # min_tokens bans EOS, which is all a complete grammar allows: nothing could be sampled.
+            raise ValueError("min_tokens cannot be combined with structured outputs")
+        self.structured_output.validate(params.structured_outputs)
 
     # -- requests in and out -----------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -168,6 +198,8 @@ class LLMEngine:
             prompt_ids
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -183,6 +215,8 @@ class LLMEngine:
             if params.seed is not None:
                 # Its own seed per sequence; the sampler derives each position's noise from it.
                 child.seed = params.seed + i
+            if params.structured_outputs is not None:  # compiles (once, cached) in the background
+                child.structured_output = self.structured_output.init_request(params.structured_outputs)
             children.append(child)
         self.scheduler.check_admissible(children[0])
         detokenizers = [
@@ -209,6 +243,8 @@ class LLMEngine:
             self.scheduler.add_request(child)
             self._child_to_parent[child.request_id] = parent.request_id
         self._parents[parent.request_id] = parent
+        if parent.children[0].structured_output is not None:
+            self._stats.num_structured_requests += 1
         return parent.request_id
 
     def add_request(
@@ -245,12 +281,20 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        self._fail_grammar_failures()
         if scheduled.is_empty():
+            self._wait_for_grammars()
             return []
         try:
             if self.spec_decoder is not None:
                 self.spec_decoder.propose(scheduled)
+            if self._structured_output is not None:
+                self._constrain_proposals(scheduled)
+                self._fill_grammar_bitmask(scheduled)
             result = self.runner.execute_model(scheduled)
+            masks = [m for m in (scheduled.grammar_bitmask, scheduled.verify_bitmask) if m is not None]
+            if masks:
+                self._stats.grammar_mask_times.append(sum(m.seconds for m in masks))
             if self.spec_decoder is not None:
                 self.spec_decoder.record(scheduled, result.sampled_token_ids, self._stats)
             updated = self.scheduler.update_from_output(
@@ -293,6 +337,58 @@ class LLMEngine:
                 self._fail(parent.request_id, e)
         return outputs
 
+    def _constrain_proposals(self, scheduled) -> None:
+        """Speculating constrained requests' proposals are cut where their grammar refuses one, and
+        get a mask row per verified position (structured_output.manager.constrain_proposals)."""
+        if not any(scheduled.spec_token_ids):
+            return
+        start = time.perf_counter()
+        kept, bitmask = self._structured_output.constrain_proposals(
+            scheduled.requests, scheduled.spec_token_ids
+        )
+        if bitmask is None:
+            return
+        for i, (before, after) in enumerate(zip(scheduled.spec_token_ids, kept, strict=True)):
+            if len(after) == len(before):
+                continue
+            probs = scheduled.spec_draft_probs[i]
+            scheduled.spec_token_ids[i] = after
+            scheduled.spec_draft_probs[i] = probs[: len(after)] if probs is not None else None
+            scheduled.num_scheduled_tokens[i] -= len(before) - len(after)
+        bitmask.seconds += time.perf_counter() - start
+        scheduled.verify_bitmask = bitmask
+
+    def _fill_grammar_bitmask(self, scheduled) -> None:
+        """The step's bitmask rows for the constrained requests that sample one token (speculating
+        ones got theirs in _constrain_proposals)."""
+        start = time.perf_counter()
+        samples = [
+            r.num_computed_tokens + n == r.num_tokens
+            for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
+        ]
+        bitmask = self._structured_output.grammar_bitmask(scheduled.requests, samples)
+        if bitmask is not None:
+            bitmask.seconds += time.perf_counter() - start
+        scheduled.grammar_bitmask = bitmask
+
+    def _fail_grammar_failures(self) -> None:
+        for request in self.scheduler.take_grammar_failures():
+            error = request.structured_output.error()
+            self._fail(
+                self._child_to_parent.get(request.request_id), ValueError(f"grammar compile failed: {error}")
+            )
+
+    def _wait_for_grammars(self, timeout: float = 0.01) -> None:
+        """Nothing could be scheduled: if requests wait for their grammars, sleep until one is
+        ready (at most `timeout`) instead of spinning through empty steps."""
+        pending = [
+            r.structured_output.compiled
+            for r in self.scheduler.waiting
+            if r.status == RequestStatus.WAITING_FOR_GRAMMAR
+        ]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
     def _fail(self, request_id: str | None, error: Exception) -> None:
         """Abort a request (freeing its blocks) and keep the error for take_failed()."""
         if request_id is None or request_id not in self._parents:
@@ -314,6 +410,8 @@ class LLMEngine:
         stats.num_preemptions = sched.num_preemptions - self._seen_preemptions
         stats.prefix_cache_queries = pc.queries - self._seen_prefix[0]
         stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
+        if self._structured_output is not None:
+            stats.grammar_compile_times = self._structured_output.take_compile_times()
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
         return stats
 

@@ -30,3 +30,8 @@ class IterationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Structured outputs: constrained requests queued, seconds per grammar compile (each compile,
+    # not each request: the cache serves the rest), seconds per step filling and applying masks.
+    num_structured_requests: int = 0
+    grammar_compile_times: list[float] = field(default_factory=list)
+    grammar_mask_times: list[float] = field(default_factory=list)

@@ -188,11 +188,13 @@ class ModelRunner:
         if plain:
             rows = torch.from_numpy(offsets[plain]).to(self.device)
             requests = [out.requests[i] for i in plain]
+            grammar = out.grammar_bitmask
             result = self.sampler(
                 logits[rows],
                 SamplingMetadata.from_requests(
                     requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
                 ),
+                mask_logits=grammar.masker(plain) if grammar is not None else None,
             )
             for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
                 sampled[i] = [token_id]
@@ -203,9 +205,11 @@ class ModelRunner:
             verify_rows = [
                 SpecDecodeRow(out.requests[i], out.spec_token_ids[i], out.spec_draft_probs[i]) for i in spec
             ]
+            verify_mask = out.verify_bitmask
             verified = self.rejection_sampler(
-                logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state
-            )
+                logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state,
+                mask_logits=verify_mask.masker(list(range(len(rows)))) if verify_mask is not None else None,
+            )  # fmt: skip
             for k, i in enumerate(spec):
                 sampled[i] = verified.token_ids[k]
                 logprobs[i] = verified.logprobs[k]

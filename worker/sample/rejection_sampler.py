@@ -26,6 +26,7 @@ somewhat below rejection sampling's sum min(p, q) (docs/speculative.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,8 +69,11 @@ class RejectionSampler:
         rows: list[SpecDecodeRow],
         vocab_size: int,
         penalty_state: PenaltyState | None = None,
+        mask_logits: Callable[[torch.Tensor], None] | None = None,
     ) -> VerifyOutput:
-        """logits: [sum(n_i + 1), V], row i's n_i + 1 positions in order, rows one after another."""
+        """logits: [sum(n_i + 1), V], row i's n_i + 1 positions in order, rows one after another.
+        mask_logits: structured outputs' grammar mask, a row per position (as in the plain
+        sampler: applied to a copy, after the raw logprobs' logits, before everything else)."""
         device = logits.device
         requests, extra = [], []
         for row in rows:
@@ -79,7 +83,11 @@ class RejectionSampler:
                 extra.append(drafts[:j])  # the position follows the output and these proposals
         metadata = SamplingMetadata.from_requests(requests, vocab_size, device, extra, penalty_state)
         logits = logits.to(torch.float32)
-        dist = target_distribution(logits, metadata)
+        masked = logits
+        if mask_logits is not None:
+            masked = logits.clone()
+            mask_logits(masked)
+        dist = target_distribution(masked, metadata)
         greedy = dist.greedy_token_ids.tolist() if dist.greedy_token_ids is not None else None
 
         token_ids: list[list[int]] = []

@@ -1,7 +1,8 @@
 """Turn one step's logits (one row per request) into next tokens, vectorised over the batch.
 
-Order of operations, per row: raw logprobs (of the unprocessed logits) -> min_tokens mask -> penalties ->
-greedy argmax, or temperature -> top-k/top-p -> min-p -> sample. Sampling uses the exponential race
+Order of operations, per row: raw logprobs (of the unprocessed logits) -> grammar mask (structured
+outputs) -> min_tokens mask -> penalties -> greedy argmax, or temperature -> top-k/top-p -> min-p ->
+sample. Sampling uses the exponential race
 (argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own
 noise.
 
@@ -15,6 +16,7 @@ verification alike), so a seeded request emits the same tokens with speculation 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -380,9 +382,20 @@ def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> Tar
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        mask_logits: Callable[[torch.Tensor], None] | None = None,
+    ) -> SamplerOutput:
+        """mask_logits: structured outputs' grammar mask, applied in place to a copy of the float32
+        logits after the raw logprobs (which stay what the model said) and before everything else,
+        so greedy and every sampling mode only ever pick tokens the grammar allows."""
         logits = logits.to(torch.float32)
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        if mask_logits is not None:
+            logits = logits.clone()
+            mask_logits(logits)
         dist = target_distribution(logits, metadata)
         if dist.probs is None:
             sampled = dist.greedy_token_ids

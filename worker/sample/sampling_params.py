@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,67 @@ GENERATION_CONFIG_FIELDS: dict[str, float] = {
     "min_p": 0.0,
     "repetition_penalty": 1.0,
 }
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, enforced while decoding (vLLM's `StructuredOutputsParams`):
+    exactly one of a JSON schema, any JSON object, a regular expression, a choice among strings,
+    or a grammar (EBNF as in GBNF, `root ::= ...`, or Lark, `start: ...`).
+
+    disable_any_whitespace: JSON is generated compact (one space after `,` and `:`, no newlines)
+    instead of with any whitespace the model likes; a small model can otherwise spend its tokens
+    on whitespace."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, json_object, regex, choice or grammar; "
+                f"got {', '.join(kinds) or 'none'}"
+            )
+        if self.choice is not None and not (
+            self.choice and all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured outputs json must be a JSON schema (an object or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """json | json_object | regex | choice | grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on: the compile cache's key. A schema given as a dict
+        and as its JSON text share one entry."""
+        kind = self.kind
+        spec: object = getattr(self, kind)
+        if kind == "json":
+            spec = json.loads(spec) if isinstance(spec, str) else spec
+            spec = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        elif kind == "choice":
+            spec = json.dumps(list(spec))
+        elif kind == "json_object":
+            spec = ""
+        return kind, str(spec), self.disable_any_whitespace
 
 
 @dataclass
@@ -61,6 +123,8 @@ class SamplingParams:
     # only requests carrying the same salt can share cached KV. Not a sampling parameter, but it
     # travels with one request like them. None: the shared, unsalted cache.
     cache_salt: str | None = None
+    # Constrained decoding (docs/server.md, Structured outputs); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
     # The GENERATION_CONFIG_FIELDS the caller left unset; None: find out from the None values.
     # dataclasses.replace carries it, and a field replaced by a non-neutral value counts as set.
     unset_fields: frozenset[str] | None = field(default=None, repr=False, compare=False)
@@ -129,6 +193,11 @@ class SamplingParams:
             (
                 self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
                 "cache_salt must be a non-empty string if given",
+            ),
+            (
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs must be a StructuredOutputsParams",
             ),
         ]
         for ok, message in checks:

@@ -34,6 +34,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queued_requests: int = 256
+    tool_call_parser: str | None = None  # `tool_choice: "auto"`: worker/server/tool_parsers.py
     drain_timeout: float = 30.0
     # Liveness fails while one pass of the engine loop (a step, with its commands and metrics) has
     # run longer than this (seconds; 0: never), so the kubelet restarts a worker whose engine thread
@@ -178,7 +179,9 @@ async def models(request: web.Request) -> web.Response:
 
 def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> web.Application:
     model_name = config.served_model_name or engine_args.model
-    serving = OpenAIServing(llm, ServingConfig(model_name, engine_args.model, config.max_queued_requests))
+    serving = OpenAIServing(
+        llm, ServingConfig(model_name, engine_args.model, config.max_queued_requests, config.tool_call_parser)
+    )
     state = ServerState(llm, serving, config, model_name)
     state.idle.set()
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)

@@ -23,6 +23,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)  # fmt: skip
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Structured outputs: a grammar compiles in milliseconds to seconds; a step's masks take well under one.
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 FINISH_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("queue_full", "draining", "loading", "engine_dead", "invalid")
 
@@ -169,6 +172,24 @@ class EngineMetrics:
             "invalid).",
             extra_labels=("reason",),
         )
+        # Structured outputs (vLLM exports no such metrics: ours only).
+        self.structured_requests = twin(
+            Counter,
+            ["kvscale_structured_output_requests"],
+            "Requests queued with a structured-output constraint (JSON schema, regex, choice, grammar).",
+        )
+        self.grammar_compile = twin(
+            Histogram,
+            ["kvscale_structured_output_compile_seconds"],
+            "Time to compile one grammar (a cache hit compiles nothing).",
+            buckets=COMPILE_BUCKETS,
+        )
+        self.grammar_mask = twin(
+            Histogram,
+            ["kvscale_structured_output_mask_seconds"],
+            "Per step with constrained requests: filling their token bitmasks and applying them.",
+            buckets=MASK_BUCKETS,
+        )
         # Labelled children exist from the start, so rate() sees a zero before the first event.
         for reason in FINISH_REASONS:
             self.finished.child(finished_reason=reason)
@@ -229,6 +250,9 @@ class EngineMetrics:
         self.spec_drafts.inc(it.num_drafts)
         self.spec_draft_tokens.inc(it.num_draft_tokens)
         self.spec_accepted_tokens.inc(it.num_accepted_tokens)
+        self.structured_requests.inc(it.num_structured_requests)
+        self.grammar_compile.observe_all(it.grammar_compile_times)
+        self.grammar_mask.observe_all(it.grammar_mask_times)
         for pos, n in enumerate(it.accepted_per_position):
             self.spec_accepted_per_pos.child(position=str(pos))  # a position never accepted exports 0
             self.spec_accepted_per_pos.inc(n, position=str(pos))

@@ -32,8 +32,22 @@ from kvscale.worker.engine.outputs import (
     merge_completion,
 )
 from kvscale.worker.sample.sampling_params import SamplingParams
-from kvscale.worker.server.protocol import MAX_PROMPTS, APIError, ChatCompletionRequest, CompletionRequest
+from kvscale.worker.server.protocol import (
+    MAX_PROMPTS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+)
 from kvscale.worker.server.request_body import body_limits, longest_token_bytes, parse_body
+from kvscale.worker.server.tool_calls import (
+    Extractor,
+    NamedFunctionExtractor,
+    RequiredExtractor,
+    ToolCallStream,
+)
+from kvscale.worker.server.tool_calls import finish_reason as tool_finish_reason
+from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvscale.worker.requests")
 
@@ -96,11 +110,26 @@ def top_logprobs_by_text(top: list[tuple[int, float]], text: Callable[[int], str
     return out
 
 
+def render_chat(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """The prompt's token ids: the tokenizer's chat template over the messages (tool calls and tool
+    answers included) and the tools (a template that does not read `tools` leaves them out)."""
+    try:
+        encoded = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+    except Exception as e:  # a template that rejects the conversation (e.g. role order)
+        raise _bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None
+    return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
 @dataclass
 class ServingConfig:
     served_model_name: str
     model_path: str
     max_queued_requests: int
+    tool_call_parser: str | None = None  # reads `tool_choice: "auto"` calls (tool_parsers.py)
 
 
 def _bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -184,6 +213,18 @@ class OpenAIServing:
         except ValueError as e:
             raise _bad_request(str(e)) from None
 
+    async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
+        """A 400 naming `param` for a constraint the engine cannot enforce (an unsupported JSON
+        schema keyword, a malformed regex or grammar), before anything is
+        queued. Off the event loop: the first one builds the grammar library's vocabulary tables."""
+        if params.structured_outputs is None:
+            return
+        engine = self.llm.engine
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.check_structured_outputs, params)
+        except ValueError as e:
+            raise _bad_request(str(e), param=param) from None
+
     def check_prompt_size(self, size: int, param: str) -> None:
         """Refuse a prompt that cannot fit before tokenizing it. `size` is its length in characters
         (a lower bound on its bytes, known in O(1)) or in UTF-8 bytes."""
@@ -219,16 +260,10 @@ class OpenAIServing:
         self.check_prompt_size(size, "prompt")
         return self.tokenizer.encode(prompt)
 
-    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True
-            )
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise _bad_request(
-                f"the chat template cannot render these messages: {e}", param="messages"
-            ) from None
-        return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> list[int]:
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -295,6 +330,7 @@ class OpenAIServing:
             )
             for p in prompts
         ]
+        await self.check_structured_outputs(params[0], body.structured_outputs_param)
         self.check_capacity(len(prompts) * body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -370,14 +406,17 @@ class OpenAIServing:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.body_limits(1))
         self.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         self.check_prompt_size(sum(len(m["content"]) for m in messages), "messages")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        make_extractor = self.tool_call_extractor(body)
         # Templating (Python) and tokenizing run off the event loop.
         prompt = await asyncio.get_running_loop().run_in_executor(
-            None, self._render_chat, messages, body.add_generation_prompt
+            None, self._render_chat, messages, body.add_generation_prompt, tools
         )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
+        await self.check_structured_outputs(params, body.structured_outputs_param)
         self.check_capacity(body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
@@ -387,17 +426,25 @@ class OpenAIServing:
                 return None
             return {"content": [self.chat_logprob(lp, body.top_logprobs or 0) for lp in c.logprobs]}
 
+        def message(c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+            if make_extractor is None:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            stream = ToolCallStream(make_extractor())
+            stream.update(c.text, final=True)
+            content, calls = stream.result()
+            return (
+                {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})},
+                tool_finish_reason(c.finish_reason, stream),
+            )
+
         if not body.stream:
             finals = await self._collect(self.run([prompt], [params], request_id), 1)
-            choices = [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs(c),
-                    "finish_reason": c.finish_reason,
-                }
-                for c in finals[0].outputs
-            ]
+            choices = []
+            for c in finals[0].outputs:
+                msg, reason = message(c)
+                choices.append(
+                    {"index": c.index, "message": msg, "logprobs": logprobs(c), "finish_reason": reason}
+                )
             self._log(request_id, "chat", finals)
             return web.json_response(
                 {**base, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
@@ -411,18 +458,42 @@ class OpenAIServing:
                 "finish_reason": None,
             }
 
+        streams: dict[int, ToolCallStream] = {}  # per choice, with tools
+        texts: dict[int, str] = {}
+
         def delta(i: int, c: CompletionOutput) -> dict[str, Any]:
-            return {
-                "index": c.index,
-                "delta": {"content": c.text} if c.text else {},
-                "logprobs": logprobs(c),
-                "finish_reason": c.finish_reason,
-            }
+            if make_extractor is None:
+                d, reason = ({"content": c.text} if c.text else {}), c.finish_reason
+            else:
+                stream = streams.setdefault(c.index, ToolCallStream(make_extractor()))
+                text = texts[c.index] = texts.get(c.index, "") + c.text
+                content, calls = stream.update(text, final=c.finished)
+                d = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+                reason = tool_finish_reason(c.finish_reason, stream)
+            return {"index": c.index, "delta": d, "logprobs": logprobs(c), "finish_reason": reason}
 
         chunk = {**base, "object": "chat.completion.chunk"}
         return await self._stream(
             request, request_id, [prompt], [params], body.include_usage, chunk, first_delta, delta
         )
+
+    def tool_call_extractor(self, body: ChatCompletionRequest) -> Callable[[], Extractor] | None:
+        """How this request's output becomes tool calls (None: it is plain content)."""
+        choice = body.effective_tool_choice
+        if not body.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return lambda: NamedFunctionExtractor(choice.function.name)
+        if choice == "required":
+            return RequiredExtractor
+        parser = self.config.tool_call_parser
+        if parser is None:
+            raise _bad_request(
+                'tool_choice "auto" needs a tool-call parser: start the server with --tool-call-parser '
+                f"({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice required or a named function",
+                param=body.tool_choice_param,
+            )
+        return TOOL_CALL_PARSERS[parser]
 
     def chat_logprob(self, lp: TokenLogprobs, top: int) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:

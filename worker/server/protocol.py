@@ -12,11 +12,13 @@ no single request can make a step, or its own validation, cost more than a bound
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
-from kvscale.worker.sample.sampling_params import SamplingParams
+from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscale.worker.server.tool_calls import parameters_schema, required_calls_schema
 
 
 class APIError(Exception):
@@ -49,15 +51,15 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 64  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # logprobs (completions) / top_logprobs (chat)
+MAX_CHOICES = 256  # strings in one structured-outputs choice list
+MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
+MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
 
 # OpenAI-defined fields that ask for something we do not do: refused unless absent, null, or the
 # value that means what we do anyway.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none",),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "prediction": (),
     "audio": (),
     "modalities": (["text"],),
@@ -73,6 +75,55 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`. The schema is always enforced while decoding: `strict` only
+    says the client wants that (OpenAI's strict mode), so it changes nothing here."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_its_type(cls, v, info: ValidationInfo):
+        if (v is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return v
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint. Unknown keys (vLLM's
+    `structural_tag`, `whitespace_pattern`) are refused, not ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+# vLLM's fields before v0.12 (`guided_json` -> structured_outputs.json, ...), still sent by many clients.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class _SamplingFields(BaseModel):
@@ -105,6 +156,31 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
     cache_salt: str | None = Field(default=None, min_length=1)
+    # Structured outputs (docs/server.md): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; at most one of them constrains a request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, v):
+        if v is not None:
+            raise ValueError("not supported (structured_outputs.disable_any_whitespace is)")
+        return v
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _xgrammar_only(cls, v):
+        # vLLM removed the field; a client naming the backend we run (or auto) is served.
+        if v is not None and v not in ("auto", "xgrammar"):
+            raise ValueError("only xgrammar is available")
+        return v
 
     # Field validators (not model validators), so that the 400's `param` names the field.
     @field_validator("logit_bias")
@@ -153,7 +229,57 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one constraint; APIError (400 naming the field) for two, or a malformed one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.model_dump(exclude_none=True)))
+        for name, key in _GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        tool_constraint = self.tool_constraint()
+        if tool_constraint is not None:
+            if given:
+                raise APIError(
+                    400, f"tool_choice forces a call, which {given[0][0]} cannot also constrain",
+                    param="tool_choice",
+                )  # fmt: skip
+            return tool_constraint
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(n for n, _ in given)
+            raise APIError(
+                400, f"only one structured-output constraint is allowed, got {names}", param=given[1][0]
+            )
+        param, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """The constraint the request's tool_choice imposes (chat only)."""
+        return None
+
+    @property
+    def structured_outputs_param(self) -> str | None:
+        """The field that carries the request's constraint (for the 400 of one the engine refuses)."""
+        if getattr(self, "tools", None) and self.tool_constraint() is not None:
+            return "tools"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return next((n for n in _GUIDED_FIELDS if getattr(self, n) is not None), None)
 
     @property
     def include_usage(self) -> bool:
@@ -209,6 +335,61 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: the function takes none
+    strict: bool | None = None  # required and named calls are always enforced; auto ones never
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def template_call(self) -> dict[str, Any]:
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": arguments},
+        }
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -217,19 +398,27 @@ class ChatMessage(BaseModel):
     # so that a missing content is checked too.
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
-    # Tool and function calling are not implemented: a conversation that carries them is refused,
-    # not rendered without them.
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    # An assistant's calls, and a tool message's answer to one of them: both go to the chat template.
+    tool_calls: list[ToolCallItem] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+    # The deprecated function calling is not implemented: a conversation carrying it is refused,
+    # not rendered without it.
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
 
-    @field_validator("role")
+    @field_validator("tool_calls")
     @classmethod
-    def _no_tool_role(cls, v):
-        if v == "tool":
-            raise ValueError("tool messages answer tool calls, which are not supported")
+    def _assistant_calls(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message makes tool calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers(cls, v, info: ValidationInfo):
+        if (v is not None) != (info.data.get("role") == "tool"):
+            raise ValueError("a tool message answers a tool call by its id, and only a tool message does")
         return v
 
     @field_validator("content")
@@ -241,12 +430,24 @@ class ChatMessage(BaseModel):
             raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts are allowed, got {len(v)}")
         return v
 
-    @field_validator("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+    @field_validator("function_call", "audio", "refusal")
     @classmethod
     def _no_tool_fields(cls, v):
         if v is not None:
             raise ValueError("not supported")
         return v
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hermes, Qwen, Llama 3): a call's arguments as an
+        object when they are JSON (as vLLM passes them), else the string."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -262,14 +463,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI's, not implemented (see _NO_OP_VALUES)
     functions: Any = None
     function_call: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     prediction: Any = None
     audio: Any = None
     modalities: Any = None
@@ -287,12 +487,41 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("not supported")
         return v
 
-    @field_validator("response_format")
+    @field_validator("tool_choice")
     @classmethod
-    def _text_only(cls, v):
-        if v and v.get("type", "text") != "text":
-            raise ValueError("types other than text are not supported")
+    def _choice_of_the_tools(cls, v, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names {v.function.name!r}, which is not one of the tools")
+        if v == "required" and not names:
+            raise ValueError("required needs tools")
         return v
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tool_choice_param(self) -> str:
+        return "tool_choice" if self.tool_choice is not None else "tools"
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """`required` and a named function are enforced by the grammar: the tool's parameters (named),
+        or an array of calls of the tools (required)."""
+        choice = self.effective_tool_choice
+        tools = self.tools or []
+        if isinstance(choice, NamedToolChoice):
+            tool = next(t for t in tools if t.function.name == choice.function.name)
+            return StructuredOutputsParams(json=parameters_schema(tool.function.parameters))
+        if choice == "required":
+            calls = [(t.function.name, t.function.parameters) for t in tools]
+            return StructuredOutputsParams(
+                json=required_calls_schema(calls, self.parallel_tool_calls is not False)
+            )
+        return None
 
     @field_validator("top_logprobs")
     @classmethod
