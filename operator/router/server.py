@@ -39,7 +39,7 @@ from kvscale.operator.router.queue import FlowControl, QueueFull, QueueTimeout
 from kvscale.operator.router.scrape import Scraper
 from kvscale.operator.router.state import RouterState, WorkerMetrics
 from kvscale.operator.router.wake import Waker
-from kvscale.worker.server.protocol import APIError
+from kvscale.worker.server.errors import APIError
 from kvscale.worker.server.request_body import read_body
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""OpenAI request models (pydantic) and the error shape.
+"""OpenAI request models (pydantic); the error shape is errors.APIError.
 
 Fields OpenAI defines and we support are validated here, as strictly typed as OpenAI's own
 (`"max_tokens": "5"` or `"stream": "yes"` is a 400, not coerced); fields it defines that we do
@@ -18,28 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscale.worker.server.errors import APIError
 from kvscale.worker.server.tool_calls import parameters_schema, required_calls_schema
-
-
-class APIError(Exception):
-    """Becomes `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
 
 # Bounds on the work one request may ask for (docs/server.md has the table). The prompt itself is
 # bounded by max_model_len, and its bytes before tokenization by max_model_len x the longest token.
