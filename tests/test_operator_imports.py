@@ -1,6 +1,7 @@
-"""The operator and router images install only the `operator` extra: every module under
-kvscale.operator must import without the worker's dependencies (the image's smoke check does the
-same at build time; this finds it before an image is built)."""
+"""What the images install: every package folder is in the wheel, and the operator and router
+images, which install only the `operator` extra, import every kvscale.operator module without the
+worker's dependencies (the images' smoke checks do the same at build time; these find it before
+an image is built: an editable install hides both)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def test_every_operator_module_imports_without_the_worker_only_dependencies():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_every_package_folder_is_in_the_wheel():
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {folder: name for name, folder in tool["package-dir"].items()}
+    folders = sorted(p.parent for root in roots for p in (REPO / root).rglob("__init__.py"))
+    names = set()
+    for folder in folders:
+        rel = folder.relative_to(REPO).parts
+        names.add(".".join([roots[rel[0]], *rel[1:]]))
+    assert names - set(tool["packages"]) == set(), "add them to [tool.setuptools] packages"
