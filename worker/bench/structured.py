@@ -121,12 +121,16 @@ def run(args) -> dict[str, Any]:
     for batch in batches:
         steps: dict[bool, list[float]] = {False: [], True: []}
         masks: list[float] = []
+        pair_overheads = []  # each back-to-back pair's own ratio: the VM's drift cancels within a pair
         for _ in range(args.repeats):
+            pair = {}
             for constrained in (False, True):
                 times, mask = run_batch(llm, prompts, batch, constrained, args)
                 steps[constrained].extend(times)
+                pair[constrained] = statistics.median(times)
                 if constrained:
                     masks.extend(mask)
+            pair_overheads.append(pair[True] / pair[False] - 1)
         plain, grammar = statistics.median(steps[False]), statistics.median(steps[True])
         results[str(batch)] = {
             "constrained": max(1, batch // 2),
@@ -134,6 +138,8 @@ def run(args) -> dict[str, Any]:
             "step_ms_median_unconstrained": round(plain * 1e3, 3),
             "step_ms_median_constrained": round(grammar * 1e3, 3),
             "overhead": round(grammar / plain - 1, 4),
+            "overhead_per_pair": [round(o, 4) for o in pair_overheads],
+            "overhead_median_of_pairs": round(statistics.median(pair_overheads), 4),
             "mask_ms_per_step_median": round(statistics.median(masks) * 1e3, 3) if masks else None,
         }
     return {
@@ -160,7 +166,7 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--batch", default="1,16,64", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128, help="tokens per request (the grammar needs 128+)")
-    p.add_argument("--repeats", type=int, default=3, help="unconstrained/constrained pairs per batch size")
+    p.add_argument("--repeats", type=int, default=5, help="unconstrained/constrained pairs per batch size")
     p.add_argument("--compile-repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)

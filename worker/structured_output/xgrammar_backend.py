@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from kvscale.worker.sample.sampling_params import StructuredOutputsParams
 from kvscale.worker.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from kvscale.worker.structured_output.bitmask import apply_bitmask_cpu
 
 # Keyword -> why it is refused. `uniqueItems: false` and a one-element `allOf` are fine.
 UNSUPPORTED_KEYWORDS = {
@@ -167,5 +168,8 @@ class XgrammarBackend(StructuredOutputBackend):
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if logits.device.type == "cpu":
+            apply_bitmask_cpu(logits, bitmask, rows, self.vocab_size)
+            return
         mask = bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=rows)
