@@ -41,3 +41,17 @@ def server(target_model, tmp_path_factory):
     proc = start_server(target_model, tmp_path_factory.mktemp("server"), "--num-kv-blocks", "1024")
     yield proc
     assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The real `openai` client against the session's server (no retries: a failure shows)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(target_model) -> str:
+    """The served model's name: the server serves the target under its path."""
+    return target_model

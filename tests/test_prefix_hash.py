@@ -158,9 +158,6 @@ def test_cache_salt_must_be_a_non_empty_string(salt):
 
 
 # -- through the HTTP API ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _cached(usage) -> int:

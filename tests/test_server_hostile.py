@@ -39,16 +39,6 @@ from kvscale.worker.server.protocol import (
 )
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(target_model) -> str:
-    return target_model
-
-
 def bad_request(call) -> dict:
     with pytest.raises(openai.BadRequestError) as exc:
         call()

@@ -23,11 +23,6 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def model(target_model) -> str:
     return target_model  # the shared server's default served name is its --model path
 

@@ -29,16 +29,6 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "point", "sche
 MAX_TOKENS = 96
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(target_model) -> str:
-    return target_model
-
-
 def error_of(exc: pytest.ExceptionInfo) -> dict:
     assert exc.value.status_code == 400
     body = exc.value.response.json()

@@ -54,16 +54,6 @@ TRANSCRIPT = [
 MAX_TOKENS = 96
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(target_model) -> str:
-    return target_model
-
-
 def check_calls(calls, names=SCHEMAS) -> None:
     assert calls
     for call in calls:

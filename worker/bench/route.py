@@ -80,25 +80,33 @@ def _router_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.operator.router.main"]
 
 
-def _start(cmd: list[str], port: int, log_path: Path) -> ServerProcess:
+def _start(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
     import os
     import subprocess
 
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     return ServerProcess(proc, port, log_path)
 
 
-def start_workers(n: int, model: str, flags: list[str], log_dir: Path, tag: str) -> list[ServerProcess]:
-    """n workers started together (their model loads overlap), each waited for."""
+def start_workers(
+    n: int, model: str, flags: list[str], log_dir: Path, tag: str, threads: int = 0
+) -> list[ServerProcess]:
+    """n workers started together (their model loads overlap), each waited for. `threads`: torch's
+    threads per worker (0: torch's default, every core each): three workers with two OpenMP
+    threads each on two cores spend their time in each other's barriers, which no router fixes."""
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     workers = []
     try:
         for i in range(n):
             port = free_port()
             cmd = [*server_command(), *serve_args(model, port, flags)]
-            workers.append(_start(cmd, port, log_dir / f"worker-{tag}-{i}.log"))
+            workers.append(_start(cmd, port, log_dir / f"worker-{tag}-{i}.log", env))
         for w in workers:
             w.wait_ready(600)
     except BaseException:
@@ -243,7 +251,7 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         "--device", args.device,
         "--dtype", args.dtype,
     ]  # fmt: skip
-    workers = start_workers(args.workers, args.model, flags, log_dir, mode)
+    workers = start_workers(args.workers, args.model, flags, log_dir, mode, args.worker_threads)
     router = None
     try:
         for w in workers:
@@ -383,6 +391,7 @@ def run(args) -> dict[str, Any]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "device": args.device,
             "dtype": args.dtype,
+            "torch_threads": args.worker_threads or "default",
         },
         "router_flags": args.router_flag,
         "logs": str(log_dir),
@@ -410,6 +419,9 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--worker-threads", type=int, default=1, help="torch threads per worker (0: torch's default)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--order",
