@@ -253,10 +253,18 @@ def complete(address: str, served_name: str) -> dict:
             "spec.speculative.draftModelUri",
         ),
         (
-            {"model": {"uri": "/m"}, "resources": {"gpus": 8}},
-            "tensor parallelism across several is not supported",
+            {"model": {"uri": "/m"}, "resources": {"gpus": 9}},
+            "gpus must be at most 8: one pod's tensor-parallel ranks share one node",
         ),
-        ({"model": {"uri": "/m"}, "resources": {"gpus": 2}}, "spec.resources.gpus"),
+        ({"model": {"uri": "/m"}, "resources": {"gpus": 16}}, "spec.resources.gpus"),
+        (
+            {"model": {"uri": "/m"}, "parallelism": {"tensor": 3, "nodes": 2}},
+            "parallelism.tensor must be a multiple of parallelism.nodes",
+        ),
+        (
+            {"model": {"uri": "/m"}, "parallelism": {"tensor": 8, "nodes": 2}, "resources": {"gpus": 2}},
+            "resources.gpus must be parallelism.tensor / parallelism.nodes",
+        ),
         (
             {"model": {"uri": "/m"}, "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
             "spec.env[1]: Duplicate value",
