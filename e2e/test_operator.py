@@ -630,6 +630,7 @@ ADMISSION_GRANTS = {
     ("rbac.authorization.k8s.io", "roles", "delete"),
     ("rbac.authorization.k8s.io", "rolebindings", "delete"),
     ("inference.networking.k8s.io", "inferencepools", "delete"),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets", "delete"),
 }
 # Never sent: held because the router's Role grants them (RBAC's escalation check).
 ROUTER_ROLE_GRANTS = {
@@ -643,6 +644,10 @@ ROUTER_ROLE_GRANTS = {
 POOL_GRANTS = {
     ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "list", "patch", "create")
 }
+# Used by e2e/test_parallelism.py (which installs the LeaderWorkerSet CRD); the scale
+# subresource only by the autoscaler of an autoscaled group, which no e2e test runs yet.
+LWS_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "list", "patch", "create")}
+LWS_SCALE_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets/scale", v) for v in ("get", "patch")}
 OPERATOR_SA = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": OPERATOR_NS}
 
 
@@ -703,5 +708,8 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
         granted -= AUTOSCALER_GRANTS
     if not any(item.path.name == "test_router.py" for item in request.session.items):
         granted -= POOL_GRANTS  # no InferencePool CRD without it
+    if not any(item.path.name == "test_parallelism.py" for item in request.session.items):
+        granted -= LWS_GRANTS  # no LeaderWorkerSet CRD without it
+    granted -= LWS_SCALE_GRANTS
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"RBAC grants verbs the operator never used: {unused}; used: {sorted(used)}"
