@@ -48,7 +48,15 @@ def lws_served(cluster) -> bool:
 
 def install_crd(cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(lws.fetch() / lws.CRD))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+
+    def established() -> bool:  # (`kubectl wait` on this 1.3 MB CRD failed once mid-update)
+        got = cluster.kubectl("get", "crd", CRD_NAME, "-o", "json", check=False)
+        if got.returncode != 0:
+            return False
+        conditions = json.loads(got.stdout).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for(established, timeout=120, interval=1, what="the LeaderWorkerSet CRD to be Established")
 
 
 def read_lws(cluster, ns: str, name: str) -> dict | None:
