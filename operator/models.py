@@ -992,9 +992,13 @@ class InferenceDeploymentStatus(_Model):
     model_config = ConfigDict(extra="allow")  # kopf keeps its bookkeeping under status.kopf
 
     observed_generation: int | None = Field(default=None, description="The spec generation last acted on.")
-    replicas: int = Field(default=0, description="Worker pods (all versions).")
-    ready_replicas: int = Field(default=0, description="Worker pods passing their readiness probe.")
-    updated_replicas: int = Field(default=0, description="Worker pods of the current spec.")
+    replicas: int = Field(
+        default=0, description="Worker pods (all versions); groups of pods with parallelism.nodes above 1."
+    )
+    ready_replicas: int = Field(
+        default=0, description="Worker pods passing their readiness probe (groups whose every pod does)."
+    )
+    updated_replicas: int = Field(default=0, description="Worker pods (or groups) of the current spec.")
     ready: str = Field(default="0/0", description="Ready / desired workers, for `kubectl get`.")
     selector: str = Field(
         default="", description="Label selector of the worker pods (for the scale subresource)."
