@@ -512,11 +512,14 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
         "metadata": _metadata(owner),
         "spec": {
             "startupPolicy": "LeaderCreated",
+            # At least 1 unavailable group: LWS (v0.8) copies maxUnavailable into its leaders'
+            # StatefulSet, which the API server refuses with 0 ("cannot be 0"), even beside a
+            # surge its own webhook accepts (measured in e2e/test_parallelism.py).
             "rolloutStrategy": {
                 "type": "RollingUpdate",
                 "rollingUpdateConfiguration": {
                     "maxSurge": spec.rollout.max_surge,
-                    "maxUnavailable": spec.rollout.max_unavailable,
+                    "maxUnavailable": max(1, spec.rollout.max_unavailable),
                 },
             },
             "leaderWorkerTemplate": {

@@ -118,7 +118,9 @@ def test_a_multi_node_resource_is_a_leader_worker_set_of_groups(case):
     assert s["replicas"] == CASES[case]["replicas"]  # groups, not pods
     t = s["leaderWorkerTemplate"]
     assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
-    assert s["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 0}
+    # The Deployment's default (surge 1, none unavailable), but at least one group unavailable:
+    # the LWS controller's StatefulSet refuses maxUnavailable 0.
+    assert s["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 1}
     tensor, gpus = CASES[case]["parallelism"]["tensor"], CASES[case].get("resources", {}).get("gpus", 0)
     for role in ("leaderTemplate", "workerTemplate"):
         pod = t[role]
