@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -33,7 +35,6 @@ from test_operator import (  # noqa: F401 (fixtures)
     wait_ready,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 LWS_API = ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets")
 CRD_NAME = "leaderworkersets.leaderworkerset.x-k8s.io"
 OWNER_LABEL = "kvscale.dev/inference-deployment"
@@ -138,8 +139,11 @@ def test_a_group_waits_for_the_leader_worker_set_crd_then_is_rendered_as_one(ope
 
 
 def worker_supports_multi_node() -> bool:
-    """Whether the worker in this tree takes the multi-node flags (the other half of issue 18)."""
-    return any("--nnodes" in p.read_text() for p in (REPO / "worker").rglob("*.py"))
+    """Whether the worker in this tree (the image's) takes the multi-node flags (the other half
+    of issue 18): its own `serve --help` says."""
+    cli = Path(sys.executable).parent / "kvscale-worker"
+    out = subprocess.run([str(cli), "serve", "--help"], capture_output=True, text=True, timeout=120)
+    return "--nnodes" in out.stdout
 
 
 def test_the_lws_controller_brings_a_groups_pods_up(operator, namespace, tmp_path):  # noqa: F811
