@@ -253,10 +253,18 @@ def complete(address: str, served_name: str) -> dict:
             "spec.speculative.draftModelUri",
         ),
         (
-            {"model": {"uri": "/m"}, "resources": {"gpus": 8}},
-            "tensor parallelism across several is not supported",
+            {"model": {"uri": "/m"}, "resources": {"gpus": 9}},
+            "gpus must be at most 8: one pod's tensor-parallel ranks share one node",
         ),
-        ({"model": {"uri": "/m"}, "resources": {"gpus": 2}}, "spec.resources.gpus"),
+        ({"model": {"uri": "/m"}, "resources": {"gpus": 16}}, "spec.resources.gpus"),
+        (
+            {"model": {"uri": "/m"}, "parallelism": {"tensor": 3, "nodes": 2}},
+            "parallelism.tensor must be a multiple of parallelism.nodes",
+        ),
+        (
+            {"model": {"uri": "/m"}, "parallelism": {"tensor": 8, "nodes": 2}, "resources": {"gpus": 2}},
+            "resources.gpus must be parallelism.tensor / parallelism.nodes",
+        ),
         (
             {"model": {"uri": "/m"}, "env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
             "spec.env[1]: Duplicate value",
@@ -622,6 +630,7 @@ ADMISSION_GRANTS = {
     ("rbac.authorization.k8s.io", "roles", "delete"),
     ("rbac.authorization.k8s.io", "rolebindings", "delete"),
     ("inference.networking.k8s.io", "inferencepools", "delete"),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets", "delete"),
 }
 # Never sent: held because the router's Role grants them (RBAC's escalation check).
 ROUTER_ROLE_GRANTS = {
@@ -635,6 +644,10 @@ ROUTER_ROLE_GRANTS = {
 POOL_GRANTS = {
     ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "list", "patch", "create")
 }
+# Used by e2e/test_parallelism.py (which installs the LeaderWorkerSet CRD); the scale
+# subresource only by the autoscaler of an autoscaled group, which no e2e test runs yet.
+LWS_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "list", "patch", "create")}
+LWS_SCALE_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets/scale", v) for v in ("get", "patch")}
 OPERATOR_SA = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": OPERATOR_NS}
 
 
@@ -695,5 +708,8 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
         granted -= AUTOSCALER_GRANTS
     if not any(item.path.name == "test_router.py" for item in request.session.items):
         granted -= POOL_GRANTS  # no InferencePool CRD without it
+    if not any(item.path.name == "test_parallelism.py" for item in request.session.items):
+        granted -= LWS_GRANTS  # no LeaderWorkerSet CRD without it
+    granted -= LWS_SCALE_GRANTS
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"RBAC grants verbs the operator never used: {unused}; used: {sorted(used)}"

@@ -10,7 +10,9 @@ Every SCRAPE_INTERVAL_S the task takes its worker and router pods from the pod c
 one label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
 `/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; the
 router's queue and arrivals are demand no worker reports yet), asks `autoscaling.decide`, and on a
-change patches the Deployment's scale subresource. Before removing workers it marks the least
+change patches the Deployment's scale subresource. A multi-node resource scales groups: its
+LeaderWorkerSet's scale subresource, each group one "worker" seen through its leader (rank 0, the
+pod that serves and reports the group's metrics). Before removing workers it marks the least
 loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
 exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
 Status carries the signals and the last decisions, written when they change (`_report`).
@@ -33,7 +35,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from kvscale.operator import metrics
+from kvscale.operator import leaderworkerset, metrics
 from kvscale.operator.autoscaling import (
     Autoscaler,
     Decision,
@@ -43,7 +45,7 @@ from kvscale.operator.autoscaling import (
     RouterLoad,
     Sample,
 )
-from kvscale.operator.children import AUTOSCALER_MANAGER, PORT
+from kvscale.operator.children import AUTOSCALER_MANAGER, LWS_WORKER_INDEX, PORT, workload_key
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 from kvscale.operator.pods import PodCache, PodFeeder
 from kvscale.operator.status import pruned
@@ -249,11 +251,16 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     if spec.autoscaling is None:
         return None
     params = Params.from_spec(spec.autoscaling, startup_budget_s=spec.server.startup_timeout_seconds)
-    apps = client.AppsV1Api(_api())
     name, ns = target.name, target.namespace
-    deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
-    current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
-    pods = _pods.of(ns, name)
+    grouped = workload_key(spec) == "LeaderWorkerSet"
+    if grouped:  # groups of pods: the LeaderWorkerSet's replicas, each group seen by its leader
+        current = await asyncio.to_thread(leaderworkerset.read_scale, _api(), name, ns, SCRAPE_TIMEOUT_S * 4)
+        pods = [p for p in _pods.of(ns, name) if (p.metadata.labels or {}).get(LWS_WORKER_INDEX) == "0"]
+    else:
+        apps = client.AppsV1Api(_api())
+        deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
+        current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
+        pods = _pods.of(ns, name)
     states = {p.metadata.name: pod_state(p) for p in pods}
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
@@ -283,7 +290,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     decision = target.scaler.decide(current, params)
     metrics.decided(ns, name, current, decision.replicas)
     if decision.changed(current):
-        await _scale(target, pods, current, decision)
+        await _scale(target, pods, current, decision, grouped=grouped)
     await _report(target, decision, current)
     return decision
 
@@ -298,10 +305,19 @@ async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> 
     )
 
 
-async def _scale(target: Target, pods: list[client.V1Pod], current: int, decision: Decision) -> None:
+async def _scale(
+    target: Target, pods: list[client.V1Pod], current: int, decision: Decision, *, grouped: bool = False
+) -> None:
     apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
     name, ns = target.name, target.namespace
-    if decision.replicas < current:
+    victims = () if grouped else decision.victims
+    if grouped:
+        # A LeaderWorkerSet removes its highest-numbered groups (a StatefulSet of leaders): no
+        # pod-deletion-cost picks which, so no victims are marked or named.
+        await asyncio.to_thread(
+            leaderworkerset.write_scale, _api(), name, ns, decision.replicas, AUTOSCALER_MANAGER
+        )
+    elif decision.replicas < current:
         # The ReplicaSet controller removes the pods of lowest deletion cost first: mark exactly
         # the victims, and clear the mark a previous, unfinished decision left on any other pod.
         for p in pods:
@@ -311,18 +327,19 @@ async def _scale(target: Target, pods: list[client.V1Pod], current: int, decisio
                 cost = VICTIM_COST if victim else None
                 patch = {"metadata": {"annotations": {DELETION_COST: cost}}}
                 await asyncio.to_thread(core.patch_namespaced_pod, p.metadata.name, ns, patch)
-    await asyncio.to_thread(
-        apps.patch_namespaced_deployment_scale,
-        name,
-        ns,
-        {"spec": {"replicas": decision.replicas}},
-        field_manager=AUTOSCALER_MANAGER,
-    )
+    if not grouped:
+        await asyncio.to_thread(
+            apps.patch_namespaced_deployment_scale,
+            name,
+            ns,
+            {"spec": {"replicas": decision.replicas}},
+            field_manager=AUTOSCALER_MANAGER,
+        )
     record = {
         "time": _now(),
         "fromReplicas": current,
         "toReplicas": decision.replicas,
-        "reason": decision.reason + (f"; removing {', '.join(decision.victims)}" if decision.victims else ""),
+        "reason": decision.reason + (f"; removing {', '.join(victims)}" if victims else ""),
     }
     target.decisions = [*(target.decisions or []), record][-KEEP_DECISIONS:]
     logger.info("autoscaler: %s/%s %s", ns, name, record["reason"])

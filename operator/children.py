@@ -1,6 +1,7 @@
 """Pure functions: an InferenceDeployment spec -> the manifests of its children.
 
-Deployment (the worker pods), Service (their OpenAI endpoint) and PodDisruptionBudget, and with
+Deployment (the worker pods; a LeaderWorkerSet of pod groups for a multi-node model), Service
+(their OpenAI endpoint) and PodDisruptionBudget, and with
 `spec.router.enabled` (the default) the router: its Deployment and Service (NAME-router) and its
 ServiceAccount, Role and RoleBinding. Each is owned by the resource (garbage-collected with it)
 and labelled for selection and for our event handler. No I/O here: the handlers apply what
@@ -13,6 +14,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
 
@@ -22,6 +24,7 @@ from kvscale.operator.models import (
     DNS_LABEL,
     GROUP,
     KIND,
+    QUANTITY,
     RESERVED_LABELS,
     RESERVED_PREFIX,
     VERSION,
@@ -45,6 +48,21 @@ MODELS_ROOT = "/models"
 HF_VOLUME = "hf-models"  # the hf:// downloads: an emptyDir, or model.cacheClaim
 HF_ROOT = f"{MODELS_ROOT}/hf"
 DOWNLOAD_SUFFIX = "model-download"  # the init containers: model-download, draft-model-download
+MASTER_PORT = 29500  # torch.distributed's rendezvous on the group's leader (rank 0)
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+# The LeaderWorkerSet controller's pod label: 0 on each group's leader (its node-rank 0).
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+SCRAPE_ANNOTATIONS = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": str(PORT),
+    "prometheus.io/path": "/metrics",
+}
+# Every container: no privilege, a read-only root filesystem (caches go to /tmp).
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,7 @@ class Owner:
 
 # A child is known by its key: its kind, or for the router's Deployment and Service (whose kinds
 # the workers' children share) the kind with a Router prefix.
-WORKER_KEYS = ("Deployment", "Service", "PodDisruptionBudget", "InferencePool")
+WORKER_KEYS = ("Deployment", "LeaderWorkerSet", "Service", "PodDisruptionBudget", "InferencePool")
 ROUTER_KEYS = ("RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding")
 CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS
 
@@ -94,6 +112,14 @@ def selector_labels(name: str) -> dict[str, str]:
 
 def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def serving_selector(name: str, spec: InferenceDeploymentSpec) -> dict[str, str]:
+    """The pods that answer the OpenAI API: every worker, or of a multi-node group its leader
+    only (the other ranks serve /health and /ready alone)."""
+    if spec.nodes > 1:
+        return {**selector_labels(name), LWS_WORKER_INDEX: "0"}
+    return selector_labels(name)
 
 
 def labels(name: str) -> dict[str, str]:
@@ -221,12 +247,40 @@ def worker_args(
         args += ["--max-model-len", str(e.max_model_len)]
     if e.kv_cache_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", str(e.kv_cache_memory_fraction)]
+    args += parallel_args(spec)
     if spec.speculative is not None:
         s = spec.speculative
         args += ["--speculative-method", s.method, "--num-speculative-tokens", str(s.num_speculative_tokens)]
         if draft_path is not None:
             args += ["--draft-model", draft_path]
     return args + list(e.extra_args)
+
+
+def parallel_args(spec: InferenceDeploymentSpec) -> list[str]:
+    """The worker's tensor-parallel flags. A multi-node group's pods join their leader through
+    the variables the LeaderWorkerSet controller sets in each container (the kubelet expands
+    $(NAME) in args): the pod's index in the group is its node-rank, the leader the master."""
+    args: list[str] = []
+    if spec.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.nodes > 1:
+        args += [
+            "--nnodes", str(spec.nodes),
+            "--node-rank", "$(LWS_WORKER_INDEX)",
+            "--master-addr", "$(LWS_LEADER_ADDRESS)",
+            "--master-port", str(MASTER_PORT),
+        ]  # fmt: skip
+    return args
+
+
+def times(quantity: str, n: int) -> str:
+    """`quantity` (a Kubernetes quantity) times n, in its own unit: 1Gi x 4 = 4Gi."""
+    match = re.search(QUANTITY, quantity)
+    if n == 1 or match is None:
+        return quantity
+    suffix = match.group(3) or ""
+    number = quantity[: len(quantity) - len(suffix)] if suffix else quantity
+    return f"{format((Decimal(number) * n).normalize(), 'f')}{suffix}"
 
 
 def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
@@ -309,7 +363,11 @@ def pod_labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
     return {**users, **labels(owner.name)}
 
 
-def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+def pod_template(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, *, leader: bool = True
+) -> dict[str, Any]:
+    """The worker pod; `leader`: one that serves the API (a pod of rank 0), else a multi-node
+    group's other pod (no /metrics to scrape)."""
     r = spec.resources
     # Sized: an emptyDir without a limit may fill the node's disk (or, memory-backed, its memory).
     volumes: dict[str, dict] = {"tmp": {"name": "tmp", "emptyDir": {"sizeLimit": r.ephemeral_storage}}}
@@ -337,18 +395,24 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
     }
     if r.gpus:
         resources["requests"]["nvidia.com/gpu"] = resources["limits"]["nvidia.com/gpu"] = str(r.gpus)
-        volumes["dshm"] = {  # torch's shared memory
+    if r.gpus or spec.ranks_per_pod > 1:
+        # torch's and NCCL's shared memory and the ranks' step inputs: sharedMemory per rank
+        # (the container runtime's default /dev/shm is 64 MiB).
+        volumes["dshm"] = {
             "name": "dshm",
-            "emptyDir": {"medium": "Memory", "sizeLimit": r.shared_memory},
+            "emptyDir": {"medium": "Memory", "sizeLimit": times(r.shared_memory, spec.ranks_per_pod)},
         }
         mounts["dshm"] = {"name": "dshm", "mountPath": "/dev/shm"}
+    ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    if spec.nodes > 1:
+        ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
     http = {"path": "/ready", "port": "http"}
     container = {
         "name": "worker",
         "image": image,
         "command": ["kvscale-worker"],
         "args": worker_args(owner.name, spec, model_path, draft_path),
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": ports,
         "env": _env(spec),
         "resources": resources,
         "volumeMounts": list(mounts.values()),
@@ -368,11 +432,7 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
         },
         # Give the Service time to stop routing here, then SIGTERM starts the worker's drain.
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": CONTAINER_SECURITY,
     }
     # The download takes the worker's CPU and memory (requests = limits: the pod stays Guaranteed),
     # no GPU. The draft model's comes second: a failure of the main one is reported first.
@@ -405,9 +465,7 @@ def pod_template(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dic
     }
     pod_spec.update(_scheduling(owner, spec))
     annotations = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(PORT),
-        "prometheus.io/path": "/metrics",
+        **(SCRAPE_ANNOTATIONS if leader else {}),
         **spec.pod_metadata.annotations,  # the user's win: e.g. scrape "false"
     }
     return {
@@ -444,7 +502,53 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[
     return body
 
 
-def replicas_handover(live: dict[str, Any]) -> dict[str, Any] | None:
+def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+    """The workers of a multi-node model (parallelism.nodes > 1): a LeaderWorkerSet whose
+    replicas are groups of `nodes` pods, one copy of the model each. A rank lost takes its
+    group down (RecreateGroupOnPodRestart): the other ranks cannot go on without it."""
+    body: dict[str, Any] = {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(owner),
+        "spec": {
+            "startupPolicy": "LeaderCreated",
+            # At least 1 unavailable group: LWS (v0.8) copies maxUnavailable into its leaders'
+            # StatefulSet, which the API server refuses with 0 ("cannot be 0"), even beside a
+            # surge its own webhook accepts (measured in e2e/test_parallelism.py).
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {
+                    "maxSurge": spec.rollout.max_surge,
+                    "maxUnavailable": max(1, spec.rollout.max_unavailable),
+                },
+            },
+            "leaderWorkerTemplate": {
+                "size": spec.nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(owner, spec, image),
+                "workerTemplate": pod_template(owner, spec, image, leader=False),
+            },
+        },
+    }
+    if spec.desired_replicas is not None:  # as the Deployment's: the autoscaler's otherwise
+        body["spec"]["replicas"] = spec.desired_replicas
+    return body
+
+
+def workload_key(spec: InferenceDeploymentSpec) -> str:
+    """The child that runs the workers: a Deployment, or a LeaderWorkerSet of groups."""
+    return "LeaderWorkerSet" if spec.nodes > 1 else "Deployment"
+
+
+def workload(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+    if workload_key(spec) == "LeaderWorkerSet":
+        return leader_worker_set(owner, spec, image)
+    return deployment(owner, spec, image)
+
+
+def replicas_handover(
+    live: dict[str, Any], api_version: str = "apps/v1", kind: str = "Deployment"
+) -> dict[str, Any] | None:
     """What the autoscaler's field manager must apply before our apply drops `spec.replicas`.
 
     Switching a resource from `replicas` to `autoscaling` takes the field out of our apply. If we
@@ -465,21 +569,21 @@ def replicas_handover(live: dict[str, Any]) -> dict[str, Any] | None:
         return None
     meta = live["metadata"]
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "apiVersion": api_version,
+        "kind": kind,
         "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
         "spec": {"replicas": replicas},
     }
 
 
-def service(owner: Owner) -> dict[str, Any]:
+def service(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(owner),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
+            "selector": serving_selector(owner.name, spec),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -565,11 +669,7 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
             "failureThreshold": 3,
         },
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": CONTAINER_SECURITY,
     }
     labels_ = {**router_selector_labels(owner.name), LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
     return {
@@ -584,11 +684,7 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
             "template": {
                 "metadata": {
                     "labels": labels_,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "annotations": dict(SCRAPE_ANNOTATIONS),
                 },
                 "spec": {
                     "serviceAccountName": router_name(owner.name),
@@ -677,8 +773,9 @@ def endpoint_url(owner: Owner, spec: InferenceDeploymentSpec) -> str:
 
 
 def children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[dict[str, Any]]:
-    """The workers' children (Deployment, Service, PDB)."""
-    return [deployment(owner, spec, image), service(owner), pod_disruption_budget(owner)]
+    """The workers' children (Deployment or LeaderWorkerSet, Service, PDB). The PDB counts pods:
+    one at a time also means one group at a time."""
+    return [workload(owner, spec, image), service(owner, spec), pod_disruption_budget(owner)]
 
 
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
@@ -692,7 +789,10 @@ def inference_pool(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any
         "apiVersion": INFERENCE_POOL_API,
         "kind": "InferencePool",
         "metadata": _metadata(owner),
-        "spec": {"selector": {"matchLabels": selector_labels(owner.name)}, "targetPorts": [{"number": PORT}]},
+        "spec": {
+            "selector": {"matchLabels": serving_selector(owner.name, spec)},
+            "targetPorts": [{"number": PORT}],
+        },
     }
     picker = spec.inference_pool.endpoint_picker
     if picker is not None:

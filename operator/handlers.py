@@ -43,7 +43,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from kvscale.operator import inferencepool, metrics
+from kvscale.operator import inferencepool, leaderworkerset, metrics
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     CHILD_KEYS,
@@ -60,6 +60,7 @@ from kvscale.operator.children import (
     kind_of,
     replicas_handover,
     selector_string,
+    workload_key,
 )
 from kvscale.operator.heal import (
     APPLY_FAILURES,
@@ -98,12 +99,22 @@ CHILD_RESOURCES = {
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
 LISTED_KINDS = tuple(CHILD_RESOURCES)  # and InferencePool, while its CRD is served
-# Children that are deleted when no longer rendered (the router switched off, a pool turned off).
-REMOVABLE_KEYS = (*ROUTER_KEYS, "InferencePool")
+# Children that are deleted when no longer rendered (the router switched off, a pool turned off,
+# the workers moved between a Deployment and a LeaderWorkerSet).
+REMOVABLE_KEYS = (*ROUTER_KEYS, "InferencePool", "Deployment", "LeaderWorkerSet")
+# The children of optional APIs (other projects' CRDs), by whether each is served now.
+OPTIONAL_KEYS = ("InferencePool", "LeaderWorkerSet")
+LWS_UNAVAILABLE = "LeaderWorkerSetUnavailable"
+LWS_UNAVAILABLE_MESSAGE = (
+    "parallelism.nodes above 1 runs each copy of the model as a LeaderWorkerSet group, and this "
+    "cluster does not serve leaderworkersets.leaderworkerset.x-k8s.io/v1: install LeaderWorkerSet "
+    "(https://github.com/kubernetes-sigs/lws), or set parallelism.nodes to 1"
+)
 DISCOVERY_S = float(os.environ.get("KVSCALE_DISCOVERY_SECONDS", "30"))
 # Whether the API server serves InferencePools: asked by the resync task every DISCOVERY_S, read by
 # every sync (never asked by one).
 pools_served = False
+lws_served = False  # and LeaderWorkerSets, the same way
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER},{LABEL_OWNER}"
 POD_RESOURCE = ("v1", "pods")  # the workers carry the same labels
 # No answer, a timeout, a refused or reset connection: retried like a 5xx.
@@ -119,6 +130,10 @@ _locks_guard = threading.Lock()
 # are not kept).
 _downloads: dict[tuple[str, str], dict[str, PodDownload]] = {}
 _downloads_guard = threading.Lock()
+# (namespace, resource) -> pod name -> ready, for LeaderWorkerSet groups' pods (pod_changed).
+_ready: dict[tuple[str, str], dict[str, bool]] = {}
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LWS controller's label on its pods
+LWS_STATUS_LAG_S = 3.0
 
 
 def worker_image() -> str:
@@ -153,6 +168,8 @@ def _ops(kind: str):
     rbac = client.RbacAuthorizationV1Api(api())
     if kind == "InferencePool":
         return inferencepool.ops(api())
+    if kind == "LeaderWorkerSet":
+        return leaderworkerset.ops(api())
     return {
         "Deployment": (
             apps.read_namespaced_deployment,
@@ -390,6 +407,10 @@ def _sync(
                 error = (refused["reason"], refused.get("message", ""))
             elif not full and not apply_all and status.get("observedGeneration") != generation:
                 pass  # a new generation: its reconcile (or retry) applies it, a watcher does not race it
+            elif workload_key(spec) == "LeaderWorkerSet" and not lws_served:
+                # Nothing half-rendered: no Service without its workers. Not permanent: the
+                # discovery that sees the CRD arrive re-syncs every resource.
+                error = (LWS_UNAVAILABLE, LWS_UNAVAILABLE_MESSAGE)
             else:
                 # A generation not yet applied in full (a failed or interrupted apply) is applied
                 # in full: only an apply removes the fields an older spec set.
@@ -402,9 +423,10 @@ def _sync(
             failure = apply_failure(previous, generation)
             if failure is not None:
                 shown = (failure["reason"], failure.get("message", ""))
-        if "Deployment" not in kinds and not wrote and shown is None:
+        workers = workload_key(spec) if spec is not None else "Deployment"
+        if not {"Deployment", "LeaderWorkerSet"} & set(kinds) and not wrote and shown is None:
             return None  # a Service or PDB event changes nothing the status says
-        deployment = seen["Deployment"] if "Deployment" in seen else read("Deployment", name, namespace)
+        deployment = _workload_status(workers, name, namespace, seen)
         new = compute_status(
             name=name,
             generation=generation,
@@ -427,6 +449,18 @@ def _sync(
             # asked on every sync, so a last write of a stopping autoscaler goes too).
             apply_status(namespace, name, {}, AUTOSCALER_MANAGER)
         return error
+
+
+def _workload_status(
+    key: str, name: str, namespace: str, seen: dict[str, dict[str, Any] | None]
+) -> dict[str, Any] | None:
+    """The workers' Deployment, or their LeaderWorkerSet read as one (counted in groups)."""
+    if key == "Deployment":
+        return seen["Deployment"] if "Deployment" in seen else read("Deployment", name, namespace)
+    if not lws_served:
+        return None
+    live = seen[key] if key in seen else read(key, name, namespace)
+    return leaderworkerset.as_deployment(live)
 
 
 def _has_autoscaler_status(cr: dict[str, Any]) -> bool:
@@ -457,7 +491,7 @@ def _apply_children(
     )
     keys = {key_of(c) for c in rendered}
     for key in REMOVABLE_KEYS:  # the router (or the pool) switched off: what is left of it goes
-        if key == "InferencePool" and not pools_served:
+        if key in OPTIONAL_KEYS and not _served(key):
             continue  # no such resource here
         if key in kinds and key not in keys:
             try:
@@ -466,7 +500,7 @@ def _apply_children(
                 logger.warning("deleting %s of %s/%s failed: %s", key, namespace, name, _api_message(e))
                 return (
                     "ApplyFailed",
-                    f"deleting the router's {kind_of(key)} failed: {_api_message(e)}",
+                    f"deleting the {kind_of(key)} {child_name(key, name)} failed: {_api_message(e)}",
                 ), wrote
     for child in rendered:
         key, kind, child_name_ = key_of(child), child["kind"], child["metadata"]["name"]
@@ -485,14 +519,18 @@ def _apply_children(
                 continue
             if drift and not apply_all:  # healing: it was deleted or changed by hand
                 metrics.CHILD_REAPPLIES.labels(kind).inc()
-            if key == "Deployment" and before is not None and "replicas" not in child["spec"]:
-                handover = replicas_handover(before)
+            if (
+                key in ("Deployment", "LeaderWorkerSet")
+                and before is not None
+                and "replicas" not in child["spec"]
+            ):
+                handover = replicas_handover(before, child["apiVersion"], kind)
                 if handover is not None:  # switching to autoscaling: keep today's count
                     server_side_apply(handover, manager=AUTOSCALER_MANAGER)
             after = seen[key] = server_side_apply(child)
         except (ApiException, *NETWORK_ERRORS) as e:
             status = e.status if isinstance(e, ApiException) else None
-            if kind == "InferencePool" and status == 404:
+            if kind in OPTIONAL_KEYS and status == 404:
                 continue  # its CRD went since the last discovery: the next one notices
             reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
             metrics.errored(metrics.error_kind(e))
@@ -512,8 +550,13 @@ def _apply_children(
     return None, wrote
 
 
+def _served(key: str) -> bool:
+    """Whether the API of an optional child (OPTIONAL_KEYS) is served, as discovery last said."""
+    return pools_served if key == "InferencePool" else lws_served
+
+
 def _remove(key: str, owner: Owner, seen: dict[str, dict[str, Any] | None]) -> bool:
-    """Delete the router child `key` if it is there and ours; whether a delete was sent."""
+    """Delete the child `key` no longer rendered if it is there and ours; whether a delete was sent."""
     kind, name = kind_of(key), child_name(key, owner.name)
     before = seen[key] if key in seen else read(kind, name, owner.namespace)
     if before is None or before["metadata"].get("deletionTimestamp"):
@@ -613,6 +656,23 @@ def note_download(namespace: str, owner: str, pod: str, download: PodDownload | 
     return before != download
 
 
+def note_ready(namespace: str, owner: str, pod: str, ready: bool | None) -> bool:
+    """Record whether a group's pod is ready (None: gone); whether that changed."""
+    with _downloads_guard:
+        pods = _ready.setdefault((namespace, owner), {})
+        before = pods.pop(pod, None)
+        if ready is not None:
+            pods[pod] = ready
+        if not pods:
+            del _ready[(namespace, owner)]
+    return before != ready
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 @kopf.on.event(*POD_RESOURCE)
 def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A worker pod changed: when its model download started, ended or failed, refresh the
@@ -622,8 +682,19 @@ def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     if not owner:
         return
     download = None if type == "DELETED" else pod_download(dict(body))
-    if note_download(meta["namespace"], owner, meta["name"], download):
-        sync_or_retry(meta["namespace"], owner, kinds=("Deployment",))
+    grouped = LWS_NAME_LABEL in (meta.get("labels") or {})
+    workers = "LeaderWorkerSet" if grouped else "Deployment"
+    ready = type != "DELETED" and pod_ready(dict(body))
+    # A group's readiness is in its LeaderWorkerSet's status, which is not watched: a pod that
+    # turns ready (or not) refreshes it now and once more shortly, after the LWS controller
+    # counted it.
+    moved = grouped and note_ready(
+        meta["namespace"], owner, meta["name"], None if type == "DELETED" else ready
+    )
+    if note_download(meta["namespace"], owner, meta["name"], download) or moved:
+        sync_or_retry(meta["namespace"], owner, kinds=(workers,))
+    if moved:
+        retries.after((meta["namespace"], owner), LWS_STATUS_LAG_S)
 
 
 @kopf.on.event(*CHILD_RESOURCES["ServiceAccount"])
@@ -671,12 +742,13 @@ def resync() -> None:
     """Every resource and its children as the API server has them now (one LIST per kind),
     through the same sync the watchers use: writes only what drifted or what a missed event left."""
     resources = list_resources()
-    listed = (*LISTED_KINDS, "InferencePool") if pools_served else LISTED_KINDS
+    listed = (*LISTED_KINDS, *(key for key in OPTIONAL_KEYS if _served(key)))
     live = {
         kind: {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in list_children(kind)}
         for kind in listed
     }
-    live.setdefault("InferencePool", {})
+    for key in OPTIONAL_KEYS:
+        live.setdefault(key, {})
     for cr in resources:
         ns, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
         seen = {key: live[kind_of(key)].get((ns, child_name(key, name))) for key in CHILD_KINDS}
@@ -684,14 +756,23 @@ def resync() -> None:
 
 
 def refresh_discovery() -> bool:
-    """Ask discovery whether InferencePools are served; whether that changed."""
-    global pools_served
-    now_served = inferencepool.served(client.CustomObjectsApi(api()), API_TIMEOUT_S)
-    changed, pools_served = now_served != pools_served, now_served
-    if changed:
+    """Ask discovery whether InferencePools and LeaderWorkerSets are served; whether either
+    changed."""
+    global pools_served, lws_served
+    custom = client.CustomObjectsApi(api())
+    pools_now = inferencepool.served(custom, API_TIMEOUT_S)
+    lws_now = leaderworkerset.served(custom, API_TIMEOUT_S)
+    changed = (pools_now, lws_now) != (pools_served, lws_served)
+    if pools_now != pools_served:
         logger.info(
-            "InferencePools are %s", "served: applying one per resource" if now_served else "not served"
+            "InferencePools are %s", "served: applying one per resource" if pools_now else "not served"
         )
+    if lws_now != lws_served:
+        logger.info(
+            "LeaderWorkerSets are %s",
+            "served: multi-node resources get theirs" if lws_now else "not served",
+        )
+    pools_served, lws_served = pools_now, lws_now
     return changed
 
 

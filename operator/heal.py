@@ -130,6 +130,12 @@ class RetryQueue:
             self._failures.pop(key, None)
             self._due.pop(key, None)
 
+    def after(self, key: Hashable, delay_s: float) -> None:
+        """Sync `key` again in `delay_s` (no failure counted), unless it is due sooner."""
+        with self._lock:
+            at = self._clock() + delay_s
+            self._due[key] = min(self._due.get(key, at), at)
+
     def pop_due(self) -> list[Hashable]:
         with self._lock:
             now = self._clock()

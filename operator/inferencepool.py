@@ -9,48 +9,16 @@ kopf: its watch would fail wherever the CRD is absent; the resync heals a pool (
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+
+from kvscale.operator import custom_api
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 
 
 def served(custom: client.CustomObjectsApi, timeout_s: float) -> bool:
-    """Whether the API server serves inferencepools in inference.networking.k8s.io/v1 (the group
-    version's discovery document: a non-resource URL every authenticated user may read)."""
-    try:
-        response = custom.get_api_resources(
-            GROUP, VERSION, _preload_content=False, _request_timeout=timeout_s
-        )
-    except ApiException as e:
-        if e.status == 404:
-            return False
-        raise
-    body = json.loads(response.data or b"{}")
-    return any(r.get("name") == PLURAL for r in body.get("resources") or [])
+    return custom_api.served(custom, GROUP, VERSION, PLURAL, timeout_s)
 
 
 def ops(api: client.ApiClient):
-    """(read, server-side apply, list in all namespaces, list in one, delete), shaped as the typed
-    clients' methods are (name, namespace, ...), for handlers._ops."""
-    custom = client.CustomObjectsApi(api)
-
-    def read(name: str, namespace: str, **kw: Any):
-        return custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, **kw)
-
-    def apply(name: str, namespace: str, body: dict, **kw: Any):
-        return custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body, **kw)
-
-    def list_all(**kw: Any):
-        return custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, **kw)
-
-    def list_in(namespace: str, **kw: Any):
-        return custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, **kw)
-
-    def delete(name: str, namespace: str, **kw: Any):
-        return custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, **kw)
-
-    return read, apply, list_all, list_in, delete
+    return custom_api.ops(api, GROUP, VERSION, PLURAL)

@@ -346,11 +346,12 @@ class EngineSpec(_Model):
     )
 
 
+MAX_GPUS = 8  # the most GPUs a node has: a pod's ranks share one node
 GPUS_MESSAGE = (
-    "gpus must be 0 or 1: a worker runs its model on one GPU (tensor parallelism across several "
-    "is not supported yet), so more would be reserved and left idle; scale with replicas instead"
+    f"gpus must be at most {MAX_GPUS}: one pod's tensor-parallel ranks share one node, and no node "
+    "has more; for a larger model set parallelism.nodes to spread the ranks over a group of pods"
 )
-Gpus = _checked(int, Rule("self <= 1", GPUS_MESSAGE, lambda gpus: gpus <= 1), ge=0)
+Gpus = _checked(int, Rule(f"self <= {MAX_GPUS}", GPUS_MESSAGE, lambda gpus: gpus <= MAX_GPUS), ge=0)
 
 
 class ResourcesSpec(_Model):
@@ -358,8 +359,9 @@ class ResourcesSpec(_Model):
 
     gpus: Gpus = Field(
         default=0,
-        description="NVIDIA GPUs per worker (nvidia.com/gpu): 0 or 1. A worker uses one device; for "
-        "more throughput run more replicas.",
+        description="NVIDIA GPUs per worker pod (nvidia.com/gpu), at most 8. More than 1: the pod "
+        "runs one tensor-parallel rank per GPU (--tensor-parallel-size gpus, unless parallelism "
+        "says otherwise).",
     )
     cpu: Quantity("500m or 2") = Field(default="2", description="CPU request and limit per worker.")
     memory: Quantity("512Mi or 8Gi") = Field(
@@ -373,8 +375,43 @@ class ResourcesSpec(_Model):
     )
     shared_memory: Quantity("1Gi") = Field(
         default="1Gi",
-        description="Size limit of the memory-backed /dev/shm of GPU workers (torch's shared "
-        "memory); what it holds counts toward the memory limit.",
+        description="Memory-backed /dev/shm per rank (torch's and NCCL's shared memory, the step "
+        "inputs rank 0 hands the other ranks of its pod): the /dev/shm emptyDir of a GPU worker or a "
+        "pod of several ranks is sized this times the pod's ranks; what it holds counts toward the "
+        "memory limit.",
+    )
+
+
+MAX_TENSOR = 64
+MAX_NODES = 16
+
+
+class ParallelismSpec(_Model):
+    """Tensor parallelism: one model split over `tensor` ranks, in groups of `nodes` pods."""
+
+    rules = (
+        Rule(
+            "self.tensor % self.nodes == 0",
+            "parallelism.tensor must be a multiple of parallelism.nodes: each pod of a group runs "
+            "tensor / nodes ranks",
+            lambda p: p.tensor % p.nodes == 0,
+        ),
+    )
+
+    tensor: int = Field(
+        ge=1,
+        le=MAX_TENSOR,
+        description="Tensor-parallel size: the ranks one copy of the model is split over (each holds "
+        "1/tensor of the attention heads and MLP; it must divide the model's heads or their KV "
+        "heads, which the worker checks at start).",
+    )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_NODES,
+        description="Pods per group (one per node). 1: the ranks run in one pod (a Deployment). "
+        "More: a LeaderWorkerSet of groups of this many pods, tensor / nodes ranks in each, which "
+        "needs the LeaderWorkerSet CRD and controller (leaderworkerset.x-k8s.io) in the cluster.",
     )
 
 
@@ -757,12 +794,34 @@ class InferenceDeploymentSpec(_Model):
             "router sees a request arrive and asks for a worker",
             lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.router.enabled,
         ),
+        # With GPUs a rank is a GPU: a pod's ranks and its GPUs are one number.
+        Rule(
+            "!has(self.parallelism) || !has(self.resources) || !has(self.resources.gpus) || "
+            "self.resources.gpus == 0 || "
+            "self.resources.gpus * self.parallelism.nodes == self.parallelism.tensor",
+            "resources.gpus must be parallelism.tensor / parallelism.nodes: each pod runs one rank "
+            "per GPU (or set gpus 0 for CPU ranks)",
+            lambda s: s.parallelism is None or s.resources.gpus in (0, s.ranks_per_pod),
+        ),
+        # The router wakes a scaled-to-zero resource through a Deployment's /scale.
+        Rule(
+            "!has(self.parallelism) || self.parallelism.nodes == 1 || !has(self.autoscaling) || "
+            "!has(self.autoscaling.minReplicas) || self.autoscaling.minReplicas > 0",
+            "autoscaling.minReplicas 0 is not supported with parallelism.nodes above 1: the router "
+            "wakes a scaled-to-zero Deployment, not a LeaderWorkerSet group",
+            lambda s: s.nodes == 1 or s.autoscaling is None or s.autoscaling.min_replicas > 0,
+        ),
     )
 
     model: ModelSpec = Field(description="The model to serve.")
     speculative: SpeculativeSpec | None = Field(default=None, description="Speculative decoding (optional).")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings of each worker.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Compute for each worker.")
+    parallelism: ParallelismSpec | None = Field(
+        default=None,
+        description="Tensor parallelism over several GPUs or pods. Default: resources.gpus ranks "
+        "in one pod (1 without GPUs). See docs/parallelism.md.",
+    )
     image: str | None = Field(
         default=None,
         pattern=r"^\S+$",
@@ -773,9 +832,10 @@ class InferenceDeploymentSpec(_Model):
         default=1,
         ge=0,
         le=1000,
-        description="A fixed number of workers: the field the scale subresource reads and sets "
-        "(kubectl scale, an HPA, KEDA). Leave it out of applied manifests when one of those scales "
-        "the resource. Ignored, and left at its default, with autoscaling.",
+        description="A fixed number of workers (of groups, with parallelism.nodes above 1): the "
+        "field the scale subresource reads and sets (kubectl scale, an HPA, KEDA). Leave it out of "
+        "applied manifests when one of those scales the resource. Ignored, and left at its default, "
+        "with autoscaling.",
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
@@ -854,6 +914,22 @@ class InferenceDeploymentSpec(_Model):
         """The replica count the operator writes; None when the autoscaler owns it."""
         return None if self.autoscaling is not None else self.replicas
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks one copy of the model runs on: parallelism.tensor, else one per GPU (at least 1)."""
+        if self.parallelism is not None:
+            return self.parallelism.tensor
+        return max(1, self.resources.gpus)
+
+    @property
+    def nodes(self) -> int:
+        """Pods per copy of the model (a LeaderWorkerSet group when above 1)."""
+        return self.parallelism.nodes if self.parallelism is not None else 1
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.tensor_parallel_size // self.nodes
+
 
 # Condition types are open (metav1.Condition's grammar, no enum): an older CRD must accept the
 # status a newer operator writes, with condition types it does not know yet.
@@ -916,9 +992,13 @@ class InferenceDeploymentStatus(_Model):
     model_config = ConfigDict(extra="allow")  # kopf keeps its bookkeeping under status.kopf
 
     observed_generation: int | None = Field(default=None, description="The spec generation last acted on.")
-    replicas: int = Field(default=0, description="Worker pods (all versions).")
-    ready_replicas: int = Field(default=0, description="Worker pods passing their readiness probe.")
-    updated_replicas: int = Field(default=0, description="Worker pods of the current spec.")
+    replicas: int = Field(
+        default=0, description="Worker pods (all versions); groups of pods with parallelism.nodes above 1."
+    )
+    ready_replicas: int = Field(
+        default=0, description="Worker pods passing their readiness probe (groups whose every pod does)."
+    )
+    updated_replicas: int = Field(default=0, description="Worker pods (or groups) of the current spec.")
     ready: str = Field(default="0/0", description="Ready / desired workers, for `kubectl get`.")
     selector: str = Field(
         default="", description="Label selector of the worker pods (for the scale subresource)."

@@ -157,6 +157,8 @@ def spec_of(**fields: Any) -> dict:
 QUANTITY_MESSAGE = "must be a positive Kubernetes quantity"
 PVC_MESSAGE = "pvc:// needs the name of a PersistentVolumeClaim"
 RESERVED_MESSAGE = "are the operator's labels"
+TENSOR_NODES_MESSAGE = "parallelism.tensor must be a multiple of parallelism.nodes"
+GPUS_PER_POD_MESSAGE = "resources.gpus must be parallelism.tensor / parallelism.nodes"
 
 BAD_SPECS = [
     # Quantities the old pattern let through; the kubelet or the API server refuses them later.
@@ -181,9 +183,23 @@ BAD_SPECS = [
     (spec_of(model={"uri": "pvc://models/../etc"}), "must not contain '..' path segments"),
     (spec_of(model={"uri": "/models/.."}), "must not contain '..' path segments"),
     (spec_of(model={"uri": f"pvc://{'a' * 254}/llama"}), "must be at most 253 characters"),
-    # Several GPUs per worker: reserved, but the worker uses one.
-    (spec_of(resources={"gpus": 2}), GPUS_MESSAGE),
-    (spec_of(resources={"gpus": 8}), GPUS_MESSAGE),
+    # More GPUs than a node has: a pod's ranks share one node.
+    (spec_of(resources={"gpus": 9}), GPUS_MESSAGE),
+    (spec_of(resources={"gpus": 16}), GPUS_MESSAGE),
+    # Parallelism that cannot be laid out over the pods, or the pods' GPUs.
+    (spec_of(parallelism={"tensor": 3, "nodes": 2}), TENSOR_NODES_MESSAGE),
+    (spec_of(parallelism={"tensor": 2, "nodes": 4}), TENSOR_NODES_MESSAGE),
+    (spec_of(parallelism={"tensor": 8, "nodes": 2}, resources={"gpus": 2}), GPUS_PER_POD_MESSAGE),
+    (spec_of(parallelism={"tensor": 2}, resources={"gpus": 1}), GPUS_PER_POD_MESSAGE),
+    (spec_of(parallelism={"tensor": 4, "nodes": 2}, resources={"gpus": 4}), GPUS_PER_POD_MESSAGE),
+    (spec_of(parallelism={"tensor": 0}), "greater than or equal to 1"),
+    (spec_of(parallelism={"tensor": 65}), "less than or equal to 64"),
+    (spec_of(parallelism={"tensor": 32, "nodes": 32}), "less than or equal to 16"),
+    (spec_of(parallelism={"nodes": 2}), "Required|required"),
+    (
+        spec_of(parallelism={"tensor": 2, "nodes": 2}, autoscaling={"minReplicas": 0, "maxReplicas": 2}),
+        "not supported with parallelism.nodes above 1",
+    ),
     # Env: one name twice is refused (the Deployment's env is keyed by name).
     (spec_of(env=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]), "Duplicate value|unique"),
     # Names and keys the Deployment would refuse.
@@ -304,6 +320,14 @@ GOOD_SPECS = [
     spec_of(nodeSelector={"nvidia.com/gpu.present": "true", "pool": ""}),
     spec_of(autoscaling={"maxReplicas": 2}),  # replicas defaults to 1, which autoscaling ignores
     spec_of(replicas=1, autoscaling={"maxReplicas": 2}),  # the default written out: accepted, ignored
+    # Tensor parallelism: one rank per GPU in a pod, CPU ranks, groups of pods.
+    spec_of(resources={"gpus": 2}),
+    spec_of(resources={"gpus": 8}),
+    spec_of(parallelism={"tensor": 2}),
+    spec_of(parallelism={"tensor": 4}, resources={"gpus": 4}),
+    spec_of(parallelism={"tensor": 2, "nodes": 2}),
+    spec_of(parallelism={"tensor": 16, "nodes": 2}, resources={"gpus": 8}),
+    spec_of(parallelism={"tensor": 4, "nodes": 2}, autoscaling={"minReplicas": 1, "maxReplicas": 4}),
 ]
 
 

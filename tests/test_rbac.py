@@ -28,7 +28,7 @@ MANIFESTS = REPO / "manifests"
 SA = {"kind": "ServiceAccount", "name": "kvscale-operator", "namespace": "kvscale-system"}
 RBAC = "rbac.authorization.k8s.io"
 APPLIED = ("deployments", "services", "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings")
-APPLIED += ("inferencepools",)
+APPLIED += ("inferencepools", "leaderworkersets")
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
 
 # Every Kubernetes client method the operator's code calls: (API group, resource, verb, scope).
@@ -78,15 +78,27 @@ API_CALLS = {
     "create_namespaced_lease": ("coordination.k8s.io", "leases", "create", "lease"),
     "replace_namespaced_lease": ("coordination.k8s.io", "leases", "update", "lease"),
 }
-# The custom-objects calls of operator/inferencepool.py are on the Inference Extension's pools.
+# The custom-objects calls of operator/custom_api.py are on the optional APIs' objects: the
+# Inference Extension's pools and LeaderWorkerSets (each call on both); leaderworkerset.py
+# reads and writes the LeaderWorkerSets' scale subresource.
 POOLS = ("inference.networking.k8s.io", "inferencepools")
+LWS = ("leaderworkerset.x-k8s.io", "leaderworkersets")
 FILE_CALLS = {
-    ("inferencepool.py", "get_namespaced_custom_object"): (*POOLS, "get", "namespaced"),
-    ("inferencepool.py", "patch_namespaced_custom_object"): (*POOLS, "patch", "namespaced"),
-    ("inferencepool.py", "list_cluster_custom_object"): (*POOLS, "list", "cluster"),
-    ("inferencepool.py", "list_namespaced_custom_object"): (*POOLS, "list", "namespaced"),
-    ("inferencepool.py", "delete_namespaced_custom_object"): (*POOLS, "delete", "namespaced"),
+    ("custom_api.py", call): [(*api, verb, scope) for api in (POOLS, LWS)]
+    for call, verb, scope in (
+        ("get_namespaced_custom_object", "get", "namespaced"),
+        ("patch_namespaced_custom_object", "patch", "namespaced"),
+        ("list_cluster_custom_object", "list", "cluster"),
+        ("list_namespaced_custom_object", "list", "namespaced"),
+        ("delete_namespaced_custom_object", "delete", "namespaced"),
+    )
 }
+FILE_CALLS[("leaderworkerset.py", "get_namespaced_custom_object_scale")] = [
+    (LWS[0], "leaderworkersets/scale", "get", "namespaced")
+]
+FILE_CALLS[("leaderworkerset.py", "patch_namespaced_custom_object_scale")] = [
+    (LWS[0], "leaderworkersets/scale", "patch", "namespaced")
+]
 CLIENT_CALL = re.compile(
     r"\.((?:read|patch|list|create|replace|get|delete|update|watch)_"
     r"(?:namespaced_\w+|cluster_\w+|\w+_for_all_namespaces))\b"
@@ -170,12 +182,21 @@ def admission_checks() -> set[tuple[str, str, str]]:
     an ownerReference with blockOwnerDeletion, and `delete` on the child itself for a write that
     changes an existing child's ownerReferences (adopting an orphan)."""
     spec = InferenceDeploymentSpec.model_validate({"model": {"uri": "/models/tiny"}})
+    group = InferenceDeploymentSpec.model_validate(
+        {"model": {"uri": "/models/tiny"}, "parallelism": {"tensor": 2, "nodes": 2}}
+    )
     plurals = {"Deployment": ("apps", "deployments"), "Service": ("", "services")}
     plurals["PodDisruptionBudget"] = ("policy", "poddisruptionbudgets")
     plurals["ServiceAccount"] = ("", "serviceaccounts")
     plurals.update(Role=(RBAC, "roles"), RoleBinding=(RBAC, "rolebindings"), InferencePool=POOLS)
+    plurals["LeaderWorkerSet"] = LWS
     checks = set()
-    for child in all_children(Owner("tiny", "ns", "uid-1"), spec, "worker:1", "router:1", pools=True):
+    rendered = [
+        child
+        for s in (spec, group)
+        for child in all_children(Owner("tiny", "ns", "uid-1"), s, "worker:1", "router:1", pools=True)
+    ]
+    for child in rendered:
         checks.add((*plurals[child["kind"]], "delete"))
         for ref in child["metadata"]["ownerReferences"]:
             if ref.get("blockOwnerDeletion"):
@@ -190,13 +211,13 @@ def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
     for name, files in operator_calls().items():
         call, _, watched = name.partition(":")
         for f in files:
-            group, resource, verb, scope = FILE_CALLS.get((f, call)) or API_CALLS[call]
-            verb = watched or verb
-            if scope == "cluster" and not clusterwide:
-                continue  # handlers.list_resources / list_children list per namespace instead
-            out[scope].add((group, resource, verb))
-            if verb == "patch" and resource in APPLIED:
-                out[scope].add((group, resource, "create"))  # a server-side apply that creates
+            for group, resource, verb, scope in FILE_CALLS.get((f, call)) or [API_CALLS[call]]:
+                verb = watched or verb
+                if scope == "cluster" and not clusterwide:
+                    continue  # handlers.list_resources / list_children list per namespace instead
+                out[scope].add((group, resource, verb))
+                if verb == "patch" and resource in APPLIED:
+                    out[scope].add((group, resource, "create"))  # a server-side apply that creates
     for g in kopf_requests(clusterwide):
         out["cluster" if clusterwide else "namespaced"].add(g)
     out["namespaced"] |= admission_checks() | router_grants()

@@ -318,6 +318,7 @@ def cluster(monkeypatch) -> FakeAPI:
     monkeypatch.setattr(handlers, "router_image", lambda: "router:1")
     monkeypatch.setattr(handlers, "retries", RetryQueue())
     monkeypatch.setattr(handlers, "pools_served", False)
+    monkeypatch.setattr(handlers, "lws_served", False)
     monkeypatch.setattr(
         handlers,
         "post_event",
@@ -348,7 +349,9 @@ def deployment_event(fake: FakeAPI, type_: str | None = "MODIFIED") -> None:
 
 def test_reconcile_creates_the_children_and_an_unchanged_child_is_never_written(cluster):
     reconcile()
-    made = sorted(set(CHILD_KEYS) - {"InferencePool"})  # no InferencePool CRD here
+    made = sorted(
+        set(CHILD_KEYS) - {"InferencePool", "LeaderWorkerSet"}
+    )  # no such CRDs here, one pod per copy
     assert sorted(cluster.objects) == made  # the workers' and the router's
     assert cluster.resource["status"]["observedGeneration"] == 1
     assert [e[1] for e in cluster.events].count("Created") == len(made)
@@ -748,3 +751,54 @@ def test_a_pool_whose_crd_went_since_the_last_discovery_does_not_fail_the_resour
     reconcile()
     assert degraded(cluster)["status"] == "False" and cluster.resource["status"]["observedGeneration"] == 1
     assert "Deployment" in cluster.objects and "RouterDeployment" in cluster.objects
+
+
+GROUP_SPEC = {**SPEC, "parallelism": {"tensor": 2, "nodes": 2}}
+
+
+def condition(fake: FakeAPI, type_: str) -> dict:
+    return next(c for c in fake.resource["status"]["conditions"] if c["type"] == type_)
+
+
+def test_a_multi_node_resource_without_the_leader_worker_set_api_gets_nothing_and_one_reason(cluster):
+    """No LeaderWorkerSet API: no child is read or written (no Service without its workers),
+    Ready and Degraded say LeaderWorkerSetUnavailable, the spec is not marked as applied, and
+    nothing is retried (the discovery that sees the CRD arrive re-syncs everything)."""
+    cluster.resource["spec"] = GROUP_SPEC
+    reconcile()
+    assert cluster.objects == {} and [c for c in cluster.calls if c[1] != "InferenceDeployment"] == [
+        ("patch", f"status/{MANAGER}")
+    ]
+    ready = condition(cluster, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "LeaderWorkerSetUnavailable"
+    assert "parallelism.nodes" in ready["message"] and "kubernetes-sigs/lws" in ready["message"]
+    assert condition(cluster, "Degraded")["reason"] == "LeaderWorkerSetUnavailable"
+    assert cluster.resource["status"].get("observedGeneration") is None
+    assert handlers.retries.pop_due() == [] and handlers.retries._due == {}
+
+
+def test_the_workers_move_between_a_deployment_and_a_leader_worker_set(cluster, monkeypatch):
+    reconcile()
+    assert "Deployment" in cluster.objects and "LeaderWorkerSet" not in cluster.objects
+    monkeypatch.setattr(handlers, "lws_served", True)
+    cluster.resource["metadata"]["generation"] = 2
+    cluster.resource["spec"] = GROUP_SPEC
+    reconcile()
+    assert "Deployment" not in cluster.objects and ("delete", "Deployment") in cluster.calls
+    lws = cluster.objects["LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert cluster.objects["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    # The status counts groups (replicas: 2 is two groups of two pods), from the LWS's status.
+    lws["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
+    reconcile()
+    assert cluster.resource["status"]["ready"] == "1/2"
+    assert condition(cluster, "Ready")["reason"] == "PartiallyReady"
+    lws["status"]["readyReplicas"] = 2
+    reconcile()
+    assert cluster.resource["status"]["ready"] == "2/2"
+    assert condition(cluster, "Ready")["reason"] == "AllWorkersReady"
+    cluster.resource["metadata"]["generation"] = 3
+    cluster.resource["spec"] = SPEC
+    reconcile()
+    assert "LeaderWorkerSet" not in cluster.objects and "Deployment" in cluster.objects

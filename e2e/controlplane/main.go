@@ -59,6 +59,7 @@ var controllers = []string{
 	"persistentvolume-binder-controller",
 	"persistentvolume-protection-controller",
 	"persistentvolumeclaim-protection-controller",
+	"statefulset-controller", // LeaderWorkerSet groups: a StatefulSet of leaders, one of workers per group (e2e/test_parallelism.py)
 }
 
 // With a real kubelet (--node-lifecycle): the controller that lifts the node's not-ready taint
