@@ -55,10 +55,15 @@ class RankProcesses:
         self._ready = []
         self._stopping = False
         self.num_ready = 0
+        self.exited: dict[str, int | None] = {}  # process name -> exit code, by the monitor
+        self.finished = threading.Event()  # every rank has exited
 
     def start(self) -> None:
         from kvscale.worker.distributed.rank_worker import rank_main
 
+        if not self.ranks:  # node 0 of a group with one rank per node: rank 0 is all there is
+            self.finished.set()
+            return
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         first = self.ranks[0] - self.ranks[0] % self.args.ranks_per_node
@@ -94,7 +99,8 @@ class RankProcesses:
         return self.num_ready == len(self.procs)
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        """No rank has exited (read off the monitor: only its thread reaps the children)."""
+        return not self.exited
 
     def _monitor(self) -> None:
         pending = {p.sentinel: p for p in self.procs}
@@ -102,24 +108,27 @@ class RankProcesses:
             for sentinel in wait(list(pending)):
                 proc = pending.pop(sentinel)
                 proc.join()
+                self.exited[proc.name] = proc.exitcode
                 # Exit code 0: the rank got rank 0's STOP (the group is shutting down), not a crash.
                 if not self._stopping and proc.exitcode != 0:
                     self._kill_all()
                     record_group_failure(f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode}")
+        self.finished.set()
 
     def _kill_all(self) -> None:
         for p in self.procs:
-            if p.is_alive():
-                p.kill()
+            if p.name not in self.exited:
+                try:
+                    p.kill()
+                except (OSError, ValueError):  # already reaped
+                    pass
 
     def stop(self, timeout: float = 10.0) -> None:
         """After rank 0 broadcast STOP: wait for the ranks to leave, kill those that do not."""
         self._stopping = True
-        for p in self.procs:
-            p.join(timeout)
-        self._kill_all()
-        for p in self.procs:
-            p.join(1.0)
+        if not self.finished.wait(timeout):
+            self._kill_all()
+            self.finished.wait(5.0)
 
 
 class TensorParallelDriver:

@@ -108,7 +108,10 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(loaded.set_exception, e)
                 return
             loop.call_soon_threadsafe(loaded.set_result, None)
-            self._run()
+            try:
+                self._run()
+            finally:  # the tensor-parallel ranks stop with the engine thread (which owns torch)
+                self.engine.shutdown()
 
         self._thread = threading.Thread(target=main, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
