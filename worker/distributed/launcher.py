@@ -8,6 +8,7 @@ calls the on_failure hooks (the server exits). Nothing else is left: children di
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -118,10 +119,8 @@ class RankProcesses:
     def _kill_all(self) -> None:
         for p in self.procs:
             if p.name not in self.exited:
-                try:
+                with contextlib.suppress(OSError, ValueError):  # already reaped
                     p.kill()
-                except (OSError, ValueError):  # already reaped
-                    pass
 
     def stop(self, timeout: float = 10.0) -> None:
         """After rank 0 broadcast STOP: wait for the ranks to leave, kill those that do not."""
