@@ -35,9 +35,7 @@ def prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 
 # Four prompts of 40 tokens + 64 new need 28 blocks of 16; 16 blocks force preemptions. A 24-token
 # batch budget splits every prompt's prefill into chunks.
-PAGED = dict(
-    block_size=16, num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=24, max_num_seqs=4
-)
+PAGED = dict(block_size=16, num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=24, max_num_seqs=4)
 NGRAM = dict(
     block_size=16,
     num_kv_blocks=64,
