@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from model_fixtures import TARGET
+from server_fixtures import free_port
 from transformers import AutoConfig
 
 from kvscale.worker.model.layers.tp_layout import tp_layout
@@ -162,3 +163,20 @@ def test_parallel_flags_are_checked(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="m", **kwargs)
+
+
+def test_tp_benchmark_cpu_path_runs(target_model):
+    """The GPU script (`python -m kvscale.worker.bench tp`), tiny on the CPU: it runs and its TP=2
+    greedy tokens equal TP=1's; its speed here means nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvscale.worker.bench", "tp", "--model", target_model, "--device", "cpu",
+         "--batch-sizes", "1,2", "--prompt-len", "8", "--output-len", "4", "--num-kv-blocks", "16",
+         "--master-port", str(free_port()), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["greedy_tokens_identical"] is True
+    assert set(result["runs"]) == {"tp1", "tp2"} and "2" in result["speedup_vs_tp1"]["tp2"]
+    one, two = (result["runs"][k]["kv_cache_bytes_per_rank"] for k in ("tp1", "tp2"))
+    assert two == [one[0] // 2] * 2
