@@ -136,3 +136,17 @@ def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, s
         wait_gone(pids)
     finally:
         server.stop()
+
+
+def test_sigterm_stops_every_rank_and_exits_0(target_model, tmp_path, shm_before):
+    server = start_server(target_model, tmp_path, *FLAGS, "--tensor-parallel-size", "2",
+                          "--master-port", str(free_port()))  # fmt: skip
+    try:
+        pids = {server.proc.pid} | descendants(server.proc.pid)
+        assert len(rank_pids(server.proc.pid)) == 1
+        assert complete(server.base_url, PROMPTS[1])
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    wait_gone(pids)
+    assert "tensor-parallel rank 1 stopped" in server.log_path.read_text()  # it left, not killed
