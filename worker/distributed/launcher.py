@@ -154,6 +154,17 @@ class TensorParallelDriver:
             self.ranks.stop(timeout=0)
             raise
 
+    def ping(self) -> None:
+        """An idle engine's check that every rank is still there (raises TensorParallelError)."""
+        from kvscale.worker.distributed.parallel_state import TensorParallelError
+        from kvscale.worker.distributed.step_broadcast import PING, broadcast_step
+
+        try:
+            broadcast_step(self.tp, PING)
+        except TensorParallelError as e:
+            record_group_failure(str(e))
+            raise
+
     def shutdown(self) -> None:
         """Tell every rank to stop, wait for this host's, leave the group."""
         from kvscale.worker.distributed.parallel_state import TensorParallelError, destroy_tensor_parallel

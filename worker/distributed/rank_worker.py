@@ -44,7 +44,7 @@ def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_leve
         destroy_tensor_parallel,
         init_tensor_parallel,
     )
-    from kvscale.worker.distributed.step_broadcast import STOP, broadcast_step
+    from kvscale.worker.distributed.step_broadcast import PING, STOP, broadcast_step
     from kvscale.worker.model.model_runner import ModelRunner, resolve_device
 
     device = resolve_device(args.device)
@@ -59,7 +59,8 @@ def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_leve
         ready.close()
         with torch.inference_mode():
             while (step := broadcast_step(tp)) is not STOP:
-                runner.forward_step(*step)
+                if step != PING:
+                    runner.forward_step(*step)
     except TensorParallelError as e:
         logger.error("tensor-parallel rank %d: the group broke: %s", rank, e)
         os._exit(1)

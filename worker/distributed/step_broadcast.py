@@ -14,10 +14,11 @@ import torch.distributed as dist
 from kvscale.worker.distributed.parallel_state import TensorParallelError, TensorParallelGroup
 
 STOP = None  # rank 0 is shutting down: followers leave their loop
+PING = "ping"  # rank 0 is idle: nothing to run, but a lost rank shows (its socket is closed)
 
 
 def broadcast_step(tp: TensorParallelGroup, step=STOP):
-    """Rank 0 sends `step` (a (chunks, num_logits) pair, or STOP); other ranks get it back."""
+    """Rank 0 sends `step` (a (chunks, num_logits) pair, PING or STOP); other ranks get it back."""
     box = [step if tp.is_driver else None]
     try:
         dist.broadcast_object_list(box, src=0, group=tp.cpu_group)

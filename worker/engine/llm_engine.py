@@ -359,6 +359,12 @@ class LLMEngine:
                 self._fail(parent.request_id, e)
         return outputs
 
+    def ping_ranks(self) -> None:
+        """While idle: reach every tensor-parallel rank, so that one lost on another host fails the
+        engine now rather than at the next request (raises TensorParallelError)."""
+        if self.tp_driver is not None:
+            self.tp_driver.ping()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do in a single process)."""
         driver, self.tp_driver = self.tp_driver, None
