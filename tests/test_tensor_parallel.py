@@ -191,3 +191,43 @@ def test_tp_benchmark_cpu_path_runs(target_model):
     assert set(result["runs"]) == {"tp1", "tp2"} and "2" in result["speedup_vs_tp1"]["tp2"]
     one, two = (result["runs"][k]["kv_cache_bytes_per_rank"] for k in ("tp1", "tp2"))
     assert two == [one[0] // 2] * 2
+
+
+@pytest.mark.parametrize("name", ["fixture", "llama3-rope"])
+def test_a_rank_loads_its_slice_of_each_tensor(target_model, random_model_factory, name):
+    """Rank 1 of 2 through the real loader (no process group is needed to load): every parameter
+    is its slice of the checkpoint; with one KV head, rank 1 holds that head (replicated)."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors import safe_open
+
+    from kvscale.worker.model.loader import load_config, load_model
+
+    path = target_model if name == "fixture" else random_model_factory(name)
+    config = load_config(path)
+    tp = SimpleNamespace(rank=1, world_size=2, is_driver=False)
+    model = load_model(path, config, 256, torch.device("cpu"), torch.float32, tp)
+    with safe_open(Path(path, "model.safetensors"), framework="pt") as f:
+        full = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    spec, layout = model.spec, model.layout
+    hd, q, inter = spec.head_dim, layout.num_heads * spec.head_dim, layout.intermediate_size
+    kv0 = layout.kv_head_start * hd
+    assert layout.kv_head_start == (1 if spec.num_kv_heads == 2 else 0)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    pre = "model.layers.0."
+    assert torch.equal(
+        attn.qkv_proj.weight,
+        torch.cat([full[pre + "self_attn.q_proj.weight"][q : 2 * q],
+                   full[pre + "self_attn.k_proj.weight"][kv0 : kv0 + hd * layout.num_kv_heads],
+                   full[pre + "self_attn.v_proj.weight"][kv0 : kv0 + hd * layout.num_kv_heads]]),
+    )  # fmt: skip
+    assert torch.equal(attn.o_proj.weight, full[pre + "self_attn.o_proj.weight"][:, q : 2 * q])
+    assert torch.equal(
+        mlp.gate_up_proj.weight,
+        torch.cat([full[pre + "mlp.gate_proj.weight"][inter:], full[pre + "mlp.up_proj.weight"][inter:]]),
+    )
+    assert torch.equal(mlp.down_proj.weight, full[pre + "mlp.down_proj.weight"][:, inter:])
+    embed, v = full["model.embed_tokens.weight"], layout.vocab_per_rank
+    assert torch.equal(model.model.embed_tokens.weight[: spec.vocab_size - v], embed[v:])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied

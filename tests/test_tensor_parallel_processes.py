@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -53,8 +54,8 @@ def rank_pids(pid: int) -> list[int]:
     ]
 
 
-def complete(base_url: str, prompt: str) -> str:
-    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+def complete(base_url: str, prompt: str, max_tokens: int = NEW_TOKENS) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(
         base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -123,6 +124,18 @@ def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, s
         (rank1,) = rank_pids(server.proc.pid)
         assert server.get("/health")[0] == 200
         assert complete(server.base_url, PROMPTS[0])
+        # Mid-run: a long request is decoding when the rank dies; it fails, it does not hang.
+        outcome = []
+
+        def long_request():
+            try:
+                outcome.append(complete(server.base_url, PROMPTS[1], max_tokens=400))
+            except (urllib.error.URLError, OSError) as e:
+                outcome.append(e)
+
+        client = threading.Thread(target=long_request)
+        client.start()
+        time.sleep(1.5)
         os.kill(rank1, signal.SIGKILL)
         deadline, status = time.monotonic() + 10, 200
         while status == 200 and time.monotonic() < deadline:  # no request needed: the monitor sees it
@@ -133,6 +146,8 @@ def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, s
             time.sleep(0.05)
         assert status != 200
         assert wait_exit(server) == 1, server.log()
+        client.join(30)
+        assert outcome and isinstance(outcome[0], Exception), outcome
         wait_gone(pids)
     finally:
         server.stop()
