@@ -170,10 +170,12 @@ class TensorParallelDriver:
         from kvscale.worker.distributed.parallel_state import TensorParallelError, destroy_tensor_parallel
         from kvscale.worker.distributed.step_broadcast import STOP, broadcast_step
 
-        if group_failure() is None:
+        broken = group_failure() is not None
+        if not broken:
             try:
                 broadcast_step(self.tp, STOP)
             except TensorParallelError as e:
                 logger.warning("could not tell the ranks to stop: %s", e)
-        self.ranks.stop()
+                broken = True
+        self.ranks.stop(timeout=0 if broken else 10.0)  # a broken group's ranks are killed at once
         destroy_tensor_parallel()
