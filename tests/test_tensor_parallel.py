@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from model_fixtures import TARGET
+from model_fixtures import DRAFT, TARGET
 from server_fixtures import free_port
 from transformers import AutoConfig
 
@@ -78,20 +78,34 @@ def check_parity(result: dict, vocab_kv_heads: tuple[int, int]) -> None:
     assert two["kv_cache_bytes_per_rank"] == [per_rank, per_rank]
 
 
+# The draft model runs on rank 0 alone (on its device, unsharded); the target's ranks verify.
+DRAFT_SPEC = dict(
+    block_size=16,
+    num_kv_blocks=64,
+    max_num_batched_tokens=64,
+    draft_model=str(DRAFT),
+    num_speculative_tokens=3,
+    speculative_adaptive=False,
+)
+
+
 def scenarios_for(vocab: int, *names: str) -> dict:
-    chosen = {"paged": PAGED, "ngram": NGRAM}
+    chosen = {"paged": PAGED, "ngram": NGRAM, "draft": DRAFT_SPEC}
     ps = prompts(vocab, [40, 40, 37, 40])
     return {n: {"engine": chosen[n], "prompts": ps, "max_tokens": NEW_TOKENS} for n in names}
 
 
 def test_fixture_model_tp2_matches_tp1(target_model):
-    result = run_parity(target_model, scenarios_for(4096, "paged", "ngram"))
-    for name in ("paged", "ngram"):
+    """Paged (preemption, prefix cache, chunked prefill), n-gram and draft-model speculation."""
+    if not DRAFT.is_dir():
+        pytest.skip(f"{DRAFT} is missing")
+    result = run_parity(target_model, scenarios_for(4096, "paged", "ngram", "draft"))
+    for name in ("paged", "ngram", "draft"):
         check_parity(result[name], (4096, 2))
-    paged, ngram = result["paged"], result["ngram"]
+    paged, ngram, draft = result["paged"], result["ngram"], result["draft"]
     for tp in ("tp1", "tp2"):
         assert paged[tp]["preemptions"] > 0 and paged[tp]["prefix_cache_hits"] > 0
-        assert ngram[tp]["accepted_tokens"] > 0
+        assert ngram[tp]["accepted_tokens"] > 0 and draft[tp]["accepted_tokens"] > 0
     assert paged["tp1"]["kv_cache_bytes_per_rank"][0] == 2 * paged["tp2"]["kv_cache_bytes_per_rank"][0]
 
 
@@ -231,3 +245,17 @@ def test_a_rank_loads_its_slice_of_each_tensor(target_model, random_model_factor
     embed, v = full["model.embed_tokens.weight"], layout.vocab_per_rank
     assert torch.equal(model.model.embed_tokens.weight[: spec.vocab_size - v], embed[v:])
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+
+
+def test_tp1_starts_no_process_and_no_process_group(target_model):
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from kvscale.worker import LLM
+
+    llm = LLM(target_model, device="cpu", num_kv_blocks=8)
+    assert llm.engine.tp_driver is None and llm.engine.runner.tp is None
+    assert not dist.is_initialized() and multiprocessing.active_children() == []
+    assert llm.engine.runner.cuda_graphs is None  # (CPU) and the layers have no group:
+    assert all(getattr(m, "tp", None) is None for m in llm.engine.runner.model.modules())
