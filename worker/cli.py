@@ -84,7 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
     )
     prompts = args.prompt or DEFAULT_PROMPTS
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.shutdown()  # stops the tensor-parallel ranks, if any
     elapsed = time.monotonic() - loaded
     for out in outputs:
         completion = out.outputs[0]
