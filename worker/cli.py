@@ -60,11 +60,23 @@ def _default_model() -> str:
     return str(path)
 
 
+def serve_follower_node(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """--node-rank > 0: this host only runs its tensor-parallel ranks and answers the probes."""
+    import asyncio
+
+    from kvscale.worker.distributed.follower_node import serve_follower_node
+
+    host, port = getattr(args, "host", "0.0.0.0"), getattr(args, "port", 8000)
+    return asyncio.run(serve_follower_node(engine_args, host, port))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvscale.worker import LLM, SamplingParams
 
     args.model = resolve_model(args.model)
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.node_rank > 0:
+        return serve_follower_node(args, engine_args)
     started = time.monotonic()
     llm = LLM(**vars(engine_args))
     loaded = time.monotonic()
@@ -72,7 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sampling_seed
     )
     prompts = args.prompt or DEFAULT_PROMPTS
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.engine.shutdown()  # stops the tensor-parallel ranks, if any
     elapsed = time.monotonic() - loaded
     for out in outputs:
         completion = out.outputs[0]
@@ -99,6 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvscale.worker.server.api_server import ServerConfig, serve
 
     args.model = resolve_model(args.model)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.node_rank > 0:
+        return serve_follower_node(args, engine_args)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -109,7 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         engine_iteration_timeout=args.engine_iteration_timeout,
     )
-    return asyncio.run(serve(EngineArgs.from_cli_args(args), config))
+    return asyncio.run(serve(engine_args, config))
 
 
 def cmd_download(args: argparse.Namespace) -> int:

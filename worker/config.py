@@ -41,6 +41,14 @@ class EngineArgs:
     # Per request and per step, choose the lookahead from measured acceptance and step costs
     # (off: always propose num_speculative_tokens).
     speculative_adaptive: bool = True
+    # Tensor parallelism (docs/parallelism.md): tensor_parallel_size ranks in all, over nnodes hosts
+    # of tensor_parallel_size / nnodes ranks each; this host is node_rank, node 0 (which runs the
+    # scheduler and the API) hosts the rendezvous at master_addr:master_port.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +77,25 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
         self._check_speculative()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {tp}")
+        if nodes < 1 or tp % nodes:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must be a multiple of nnodes {nodes} (each node runs "
+                "tensor_parallel_size / nnodes ranks)"
+            )
+        if not 0 <= self.node_rank < nodes:
+            raise ValueError(f"node_rank must be in [0, {nodes}), got {self.node_rank}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_speculative(self) -> None:
         if self.speculative_method is None and self.draft_model:

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import longout, route, serve, spec, structured, throughput
+from kvscale.worker.bench import longout, route, serve, spec, structured, throughput, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     longout.add_parser(sub, [common])
     route.add_parser(sub, [common])
     structured.add_parser(sub, [common])
+    tp.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

@@ -54,6 +54,11 @@ class _Stream:
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+# An idle tensor-parallel engine reaches its ranks this often (seconds): a rank lost on another host
+# then fails /health within about this long, request or not.
+RANK_PING_INTERVAL = 2.0
+
+
 class AsyncLLM:
     def __init__(self, args: EngineArgs, model_name: str, metrics: EngineMetrics | None = None) -> None:
         self.args = args
@@ -108,7 +113,10 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(loaded.set_exception, e)
                 return
             loop.call_soon_threadsafe(loaded.set_result, None)
-            self._run()
+            try:
+                self._run()
+            finally:  # the tensor-parallel ranks stop with the engine thread (which owns torch)
+                self.engine.shutdown()
 
         self._thread = threading.Thread(target=main, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
@@ -238,7 +246,10 @@ class AsyncLLM:
             if not engine.has_unfinished_requests():
                 self._publish_metrics()
                 self.busy_since = None
-                self._wake.wait()
+                if engine.tp_driver is None:
+                    self._wake.wait()
+                elif not self._wake.wait(RANK_PING_INTERVAL):
+                    engine.ping_ranks()  # a lost rank ends the loop (TensorParallelError)
                 continue
             outputs = engine.step()
             if self._stop:  # shut down while the step ran (shutdown gave up on it): nobody listens

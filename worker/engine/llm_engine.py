@@ -23,10 +23,12 @@ from kvscale.worker.config import EngineArgs
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
+from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
-from kvscale.worker.model.loader import load_generation_defaults, load_tokenizer
+from kvscale.worker.model.llama import DecoderSpec
+from kvscale.worker.model.loader import load_config, load_generation_defaults, load_tokenizer
 from kvscale.worker.model.model_runner import ModelRunner
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
@@ -97,7 +99,22 @@ class LLMEngine:
             def load_draft(device, dtype, max_model_len, vocab_size):
                 return DraftModelProposer(args, device, dtype, max_model_len, vocab_size)
 
-        self.runner = ModelRunner(args, load_draft)
+        # Tensor parallelism: this process is rank 0 (scheduler, sampler, speculation); the ranks it
+        # starts, and those of other nodes, run the same forwards on their shards.
+        self.tp_driver = None
+        if args.tensor_parallel_size > 1:
+            if args.node_rank != 0:
+                raise ValueError("only node_rank 0 runs the engine; other nodes run ranks only")
+            # Refuse a size the heads cannot be split into before any process starts.
+            DecoderSpec.from_hf_config(load_config(args.model)).layout(0, args.tensor_parallel_size)
+            from kvscale.worker.distributed.launcher import TensorParallelDriver
+
+            self.tp_driver = TensorParallelDriver(args)
+        try:
+            self.runner = ModelRunner(args, load_draft, tp=self.tp_driver.tp if self.tp_driver else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = eos_token_ids(args.model, self.runner.hf_config, self.tokenizer)
         # What generation_config.json sets; fills the sampling fields a request leaves unset.
@@ -300,6 +317,11 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(
                 scheduled, result.sampled_token_ids, logprobs=result.logprobs
             )
+        except TensorParallelError as e:  # a rank is gone: no later step can succeed
+            from kvscale.worker.distributed.launcher import record_group_failure
+
+            record_group_failure(str(e))
+            raise
         except Exception as e:
             self._consecutive_failed_steps += 1
             if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
@@ -336,6 +358,18 @@ class LLMEngine:
                 logger.exception("request %s failed", parent.request_id)
                 self._fail(parent.request_id, e)
         return outputs
+
+    def ping_ranks(self) -> None:
+        """While idle: reach every tensor-parallel rank, so that one lost on another host fails the
+        engine now rather than at the next request (raises TensorParallelError)."""
+        if self.tp_driver is not None:
+            self.tp_driver.ping()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do in a single process)."""
+        driver, self.tp_driver = self.tp_driver, None
+        if driver is not None:
+            driver.shutdown()
 
     def _constrain_proposals(self, scheduled) -> None:
         """Speculating constrained requests' proposals are cut where their grammar refuses one, and

@@ -3,6 +3,8 @@
 RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, over a flat batch of tokens (no padding):
 every token carries its position and the cache slot its K/V goes to. Q/K/V and gate/up
 projections are fused into one matmul each; the loader stacks the checkpoint's separate weights.
+Under tensor parallelism (tp: a TensorParallelGroup) each rank builds the same model with its share
+of heads, MLP features and vocabulary (layers/tp_layout.py); tp=None is the single-process model.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from torch import nn
 
 from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm
 from kvscale.worker.model.attention.backend import AttentionBackend
-from kvscale.worker.model.layers.linear import Linear
+from kvscale.worker.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kvscale.worker.model.layers.rope import head_dim_of, rope_cos_sin
+from kvscale.worker.model.layers.tp_layout import TPLayout, tp_layout
+from kvscale.worker.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -78,6 +82,16 @@ class DecoderSpec:
             sliding_windows=windows,
         )
 
+    def layout(self, rank: int = 0, size: int = 1) -> TPLayout:
+        return tp_layout(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rank=rank,
+            size=size,
+        )
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -92,15 +106,18 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, layout: TPLayout, tp) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+        self.head_dim = spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = spec.sliding_windows[layer_idx]
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, qkv_size, bias=spec.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, spec.hidden_size, bias=spec.o_bias, tp=tp)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -122,11 +139,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, layout: TPLayout, tp) -> None:
         super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.intermediate_size = size = layout.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(size, spec.hidden_size, bias=spec.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -134,10 +151,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, layout: TPLayout, tp) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
+        self.self_attn = Attention(spec, layer_idx, layout, tp)
+        self.mlp = MLP(spec, layout, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -163,10 +180,12 @@ class ForwardContext:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, layout: TPLayout, tp) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(
+            layout.vocab_per_rank, spec.hidden_size, tp=tp, vocab_start=layout.vocab_start
+        )
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, layout, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -180,13 +199,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config, max_position: int) -> None:
+    def __init__(self, hf_config, max_position: int, tp=None) -> None:
         super().__init__()
         self.spec = spec = DecoderSpec.from_hf_config(hf_config)
         self.hf_config = hf_config
         self.max_position = max_position
-        self.model = DecoderModel(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tp = tp
+        self.layout = layout = spec.layout(tp.rank, tp.world_size) if tp is not None else spec.layout()
+        self.model = DecoderModel(spec, layout, tp)
+        self.lm_head = ParallelLMHead(spec.hidden_size, layout.vocab_per_rank, spec.vocab_size, tp=tp)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
@@ -212,5 +233,6 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary; None on tensor-parallel ranks other than 0."""
+        return self.lm_head.compute_logits(hidden)

@@ -73,22 +73,26 @@ def _safetensors_files(model_path: str) -> list[Path]:
     return files
 
 
-def load_model(model_path: str, hf_config, max_position: int, device: torch.device, dtype: torch.dtype):
+def load_model(
+    model_path: str, hf_config, max_position: int, device: torch.device, dtype: torch.dtype, tp=None
+):
     """Build the decoder on the meta device, allocate its parameters at the serving dtype, then fill
     them tensor by tensor from the checkpoint. Each checkpoint tensor is read into host memory on
     its own and cast there, so neither the device nor the host ever holds more than the served
     weights plus one checkpoint tensor (a float32 checkpoint served in bfloat16 is never
-    materialised in float32, in full or on the device)."""
+    materialised in float32, in full or on the device). Under tensor parallelism (tp) a rank
+    reads only its own slice of each tensor from the files (iter_safetensors_shards)."""
     started = time.monotonic()
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_position)
+        model = LlamaForCausalLM(hf_config, max_position, tp)
     model.tie_weights()
     _allocate_parameters(model, device, dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _safetensors_files(model_path)
     total_bytes, done_bytes, next_report = sum(p.stat().st_size for p in files), 0, 0.1
-    for n, name, tensor in iter_safetensors(files):
+    tensors = iter_safetensors(files) if tp is None else iter_safetensors_shards(files, model)
+    for n, name, tensor in tensors:
         target = _load_one(model, params, name, tensor)
         if target:
             loaded.add(target)
@@ -173,6 +177,46 @@ def iter_safetensors(files: list[Path]):
                 yield n, name, raw.view(SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
 
 
+def iter_safetensors_shards(files: list[Path], model: LlamaForCausalLM):
+    """(file index, name, CPU tensor) like iter_safetensors, each tensor cut to this rank's slice
+    (tp_slice) as it is read: safetensors' get_slice reads those bytes only."""
+    from safetensors import safe_open
+
+    for n, path in enumerate(files):
+        with safe_open(path, framework="pt") as f:
+            for name in sorted(f.keys()):
+                part = f.get_slice(name)
+                cut = tp_slice(model, name)
+                if cut is None:
+                    yield n, name, part[:]
+                else:
+                    dim, start, stop = cut
+                    yield n, name, part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def tp_slice(model: LlamaForCausalLM, name: str) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of checkpoint tensor `name` that this rank holds; None: all of it (norms,
+    and the biases of row-parallel layers, added once after their all-reduce)."""
+    layout, spec = model.layout, model.spec
+    hd = spec.head_dim
+    q, kv, inter = layout.num_heads * hd, layout.num_kv_heads * hd, layout.intermediate_size
+    if ".q_proj." in name:
+        return 0, layout.rank * q, (layout.rank + 1) * q
+    if ".k_proj." in name or ".v_proj." in name:
+        return 0, layout.kv_head_start * hd, layout.kv_head_start * hd + kv
+    if ".gate_proj." in name or ".up_proj." in name:
+        return 0, layout.rank * inter, (layout.rank + 1) * inter
+    if name.endswith("o_proj.weight"):
+        return 1, layout.rank * q, (layout.rank + 1) * q
+    if name.endswith("down_proj.weight"):
+        return 1, layout.rank * inter, (layout.rank + 1) * inter
+    if name in VOCAB_PARALLEL:
+        start = layout.vocab_start
+        return 0, start, min(start + layout.vocab_per_rank, spec.vocab_size)
+    return None
+
+
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 FUSED_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
@@ -202,7 +246,11 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
             return f"{target}#{shard}"
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-    _copy(params[name].data, tensor, name)
+    dst = params[name].data
+    if name in VOCAB_PARALLEL and model.tp is not None:  # the last rank's rows past the vocabulary
+        dst[tensor.shape[0] :].zero_()
+        dst = dst[: tensor.shape[0]]
+    _copy(dst, tensor, name)
     return name
 
 
@@ -215,8 +263,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _shard_range(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int, int]:
-    spec = model.spec
+    """(offset, size) of a checkpoint shard in this rank's fused parameter."""
+    layout = model.layout
     if fused == "qkv_proj":
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q, kv = layout.num_heads * model.spec.head_dim, layout.num_kv_heads * model.spec.head_dim
         return [(0, q), (q, kv), (q + kv, kv)][shard]
-    return shard * spec.intermediate_size, spec.intermediate_size
+    return shard * layout.intermediate_size, layout.intermediate_size

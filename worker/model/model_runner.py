@@ -7,7 +7,7 @@ prefill chunk, or a decode's token followed by its proposed tokens, verified in 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ import torch
 from kvscale.worker.config import EngineArgs, fit_max_model_len
 from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.core.scheduler import SchedulerOutput
+from kvscale.worker.distributed.communication_op import gather_objects, min_over_ranks
+from kvscale.worker.distributed.step_broadcast import broadcast_step
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 from kvscale.worker.model.attention.selector import get_attention_backend
 from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
@@ -66,18 +68,22 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, load_draft=None) -> None:
+    def __init__(self, args: EngineArgs, load_draft=None, tp=None) -> None:
         """load_draft(device, dtype, max_model_len, vocab_size), when given, loads a draft model whose
         KV blocks mirror the target's; it is loaded before the KV cache is sized, which counts its
-        bytes per block too."""
-        self.device = resolve_device(args.device)
+        bytes per block too. tp (a TensorParallelGroup) makes this one rank of a tensor-parallel
+        group: rank 0's forward() first broadcasts its inputs, the other ranks run forward_step()."""
+        self.tp = tp
+        self.device = resolve_device(args.device) if tp is None else tp.device
         self.hf_config = load_config(args.model)
         self.dtype = resolve_dtype(args.dtype, self.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
         self.block_size = args.block_size
         torch.manual_seed(args.seed)
-        self.model = load_model(args.model, self.hf_config, self.max_model_len, self.device, self.dtype)
+        self.model = load_model(args.model, self.hf_config, self.max_model_len, self.device, self.dtype, tp)
         self.spec = self.model.spec
+        # What this rank's KV cache holds: its own KV heads only.
+        self.kv_spec = replace(self.spec, num_kv_heads=self.model.layout.num_kv_heads)
         self.backend = get_attention_backend(args.attention_backend, self.device)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -95,14 +101,18 @@ class ModelRunner:
             self.max_model_len, self.num_blocks, self.block_size, explicit=args.max_model_len is not None
         )
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        kv_bytes = sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        # Every rank's KV cache bytes, rank by rank (reported; each is 1/tp of one rank's at tp=1).
+        self.kv_cache_bytes_per_rank = [kv_bytes] if tp is None else gather_objects(kv_bytes, tp)
         if self.draft is not None:
             self.draft.allocate_kv_cache(self.num_blocks)
         # Decode-only steps replay captured CUDA graphs (CUDA + Triton backend only; None elsewhere).
-        self.cuda_graphs = CUDAGraphRunner.maybe_create(self, args.max_num_seqs)
+        # Not yet under tensor parallelism: capturing the collectives is untested (docs/parallelism.md).
+        self.cuda_graphs = CUDAGraphRunner.maybe_create(self, args.max_num_seqs) if tp is None else None
 
     # -- KV cache ----------------------------------------------------------------------------
     def _size_kv_cache(self, args: EngineArgs) -> int:
-        spec = self.spec
+        spec = self.kv_spec
         block_bytes = bytes_per_block(
             spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype
         ) + (self.draft.block_bytes() if self.draft is not None else 0)
@@ -117,6 +127,8 @@ class ModelRunner:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         )
+        if self.tp is not None:  # the pool every rank can hold (rank 0 may also hold a draft's KV)
+            num_blocks = min_over_ranks(num_blocks, self.tp)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
             num_blocks, self.block_size, num_blocks * block_bytes / 2**20, num_blocks * self.block_size,
@@ -124,7 +136,7 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        return allocate_kv_cache(self.kv_spec, num_blocks, self.block_size, self.dtype, self.device)
 
     def _profile_activation_bytes(self, args: EngineArgs) -> int:
         """Peak memory of the largest step (one full-budget prefill), measured with a scratch cache."""
@@ -155,7 +167,14 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------
     def forward(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor:
-        """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk."""
+        """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk. On rank 0 of a
+        tensor-parallel group the other ranks get the same inputs first and run the same forward."""
+        if self.tp is not None:
+            broadcast_step(self.tp, (chunks, num_logits))
+        return self.forward_step(chunks, num_logits)
+
+    def forward_step(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor | None:
+        """This rank's share of one forward (None: logits live on rank 0)."""
         return forward_logits(
             self.model, self.backend, self.kv_caches, chunks, num_logits, self.block_size, self.device,
             self.cuda_graphs,

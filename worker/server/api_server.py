@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.distributed.launcher import group_failure, on_group_failure
 from kvscale.worker.engine.async_llm import AsyncLLM
 from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
 from kvscale.worker.server.protocol import APIError
@@ -144,6 +147,8 @@ async def health(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
     if state.llm.dead is not None or state.load_error is not None:
         return web.json_response({"status": "dead"}, status=500)
+    if group_failure() is not None:  # a tensor-parallel rank died: this worker exits
+        return web.json_response({"status": "rank failed"}, status=500)
     if engine_stuck(state.llm.stalled_since, time.monotonic(), state.config.engine_iteration_timeout):
         return web.json_response({"status": "stuck"}, status=500)
     return web.json_response({"status": "ok"})
@@ -195,9 +200,22 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
     return app
 
 
+# After a rank's failure, /health answers 500 this long before the process exits (a probe may see it).
+FAILURE_EXIT_DELAY = 1.0
+
+
+def exit_soon(reason: str) -> None:
+    """A tensor-parallel rank died: exit 1 shortly, whatever the engine thread is blocked in (the
+    monitor has already killed this host's other ranks; a collective with a dead peer may not return)."""
+    logger.error("exiting: tensor-parallel group broken", extra={"reason": reason})
+    threading.Timer(FAILURE_EXIT_DELAY, os._exit, (1,)).start()
+
+
 async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain and return the exit code."""
     model_name = config.served_model_name or engine_args.model
+    if engine_args.tensor_parallel_size > 1:
+        on_group_failure(exit_soon)
     llm = AsyncLLM(engine_args, model_name)
     app = build_app(llm, engine_args, config)
     state: ServerState = app["state"]

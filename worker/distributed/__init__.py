@@ -1,0 +1,1 @@
+"""Tensor parallelism on torch.distributed: the process group, step broadcast and rank processes."""
