@@ -242,27 +242,23 @@ def test_status_counts_groups_from_the_leader_worker_set():
         "spec": {"replicas": 2},
         "status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2},
     }
-    status = compute_status(
-        name="big",
-        generation=1,
-        selector="x",
-        desired=2,
-        deployment=leaderworkerset.as_deployment(lws),
-        previous_conditions=[],
-        now="t",
-    )
+
+    def status_of(lws: dict) -> dict:
+        return compute_status(
+            name="big",
+            generation=1,
+            selector="x",
+            desired=2,
+            deployment=leaderworkerset.as_deployment(lws),
+            previous_conditions=[],
+            now="t",
+        )
+
+    status = status_of(lws)
     assert status["ready"] == "1/2" and status["readyReplicas"] == 1
     ready = {c["type"]: c for c in status["conditions"]}["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "PartiallyReady"
     lws["status"]["readyReplicas"] = 2
-    done = compute_status(
-        name="big",
-        generation=1,
-        selector="x",
-        desired=2,
-        deployment=leaderworkerset.as_deployment(lws),
-        previous_conditions=[],
-        now="t",
-    )
+    done = status_of(lws)
     assert {c["type"]: c for c in done["conditions"]}["Ready"]["reason"] == "AllWorkersReady"
     assert leaderworkerset.as_deployment(None) is None
