@@ -24,14 +24,18 @@ import os
 import shutil
 import subprocess
 import tempfile
+import urllib.request
 from pathlib import Path
+
+from runtime import Ledger, spawn, wait_until
 
 MODULE, VERSION = "github.com/coredns/coredns", "v1.15.0"
 BIN = Path(__file__).resolve().parent / ".bin" / "coredns"
 # In plugin.cfg's order, which is the order a query goes through them: what the Corefile uses.
 PLUGINS = ("bind", "ready", "health", "errors", "log", "cache", "kubernetes", "forward")
 CLUSTER_DOMAIN = "cluster.local"
-HEALTH_PORT, READY_PORT = 18080, 18181
+HEALTH_PORT, READY_PORT = 18053, 18054  # on 127.0.0.1
+SERVICE_NAME, SERVICE_NAMESPACE = "kube-dns", "kube-system"  # the names kubeadm and kind use
 
 
 def _mod_cache() -> Path:
@@ -91,9 +95,7 @@ def build(timeout: float = 3600) -> Path:
         cfg.write_text(trimmed_plugin_cfg(cfg.read_text()))
         # directives_generate.go rewrites core/plugin/zplugin.go and core/dnsserver/zdirectives.go
         subprocess.run(["go", "generate", "coredns.go"], cwd=tree, check=True, timeout=timeout, env=env)
-        subprocess.run(
-            ["go", "build", "-o", str(BIN), "."], cwd=tree, check=True, timeout=timeout, env=env
-        )
+        subprocess.run(["go", "build", "-o", str(BIN), "."], cwd=tree, check=True, timeout=timeout, env=env)
     stamp.write_text(wanted)
     return BIN
 
@@ -118,6 +120,67 @@ def corefile(listen: str, kubeconfig: Path, upstream: str = "/etc/resolv.conf") 
     cache 5
 }}
 """
+
+
+def service_manifests(dns_ip: str, listen: str) -> list[dict]:
+    """The `kube-dns` Service on dns_ip (what pods' resolv.conf names) and, the Service having no
+    selector (CoreDNS is a host process, not a pod), its EndpointSlice: listen:53, UDP and TCP."""
+    ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
+    labels = {"k8s-app": SERVICE_NAME, "kubernetes.io/name": "CoreDNS"}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE, "labels": labels},
+            "spec": {
+                "clusterIP": dns_ip,
+                "ports": [{"name": n, "protocol": p, "port": 53, "targetPort": 53} for n, p in ports],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{SERVICE_NAME}-host",
+                "namespace": SERVICE_NAMESPACE,
+                "labels": {
+                    "kubernetes.io/service-name": SERVICE_NAME,
+                    "endpointslice.kubernetes.io/managed-by": "kvscale-e2e",
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [listen], "conditions": {"ready": True}}],
+            "ports": [{"name": n, "protocol": p, "port": 53} for n, p in ports],
+        },
+    ]
+
+
+def start(ledger: Ledger, kubeconfig: Path, listen: str, state: Path, log_dir: Path, timeout: float = 60):
+    """CoreDNS on listen:53 (a process in the ledger), once its kubernetes plugin has synced with
+    the API server (`ready`): a pod started after this resolves from its first query."""
+    binary = build()
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "Corefile").write_text(corefile(listen, kubeconfig))
+    proc = spawn(ledger, "coredns", [str(binary), "-conf", str(state / "Corefile")], log_dir)
+
+    def ready() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{READY_PORT}/ready", timeout=2) as r:
+            return r.status == 200
+
+    wait_until(ready, timeout, f"CoreDNS to be ready (see {log_dir / 'coredns.log'})", proc)
+    return proc
+
+
+def running() -> list[int]:
+    """PIDs of processes running our CoreDNS binary (a teardown leaves none)."""
+    found = []
+    for exe in Path("/proc").glob("[0-9]*/exe"):
+        try:
+            if os.readlink(exe) == str(BIN):
+                found.append(int(exe.parent.name))
+        except OSError:
+            continue
+    return found
 
 
 if __name__ == "__main__":
