@@ -8,6 +8,11 @@ SERVICE_CIDR, routed onto that same bridge, so a packet kube-proxy did not rewri
 the machine. Pods have no egress: no default route (only the Service range, via the host), no
 masquerading. `start` refuses to run when the machine already routes either range.
 
+Cluster DNS is CoreDNS (e2e/coredns.py), a host process like the others, on NODE_IP:53, behind
+the `kube-system/kube-dns` Service at DNS_IP (the kubelet's clusterDNS): pods resolve Services,
+pods and the hostname.subdomain names of headless Services (a LeaderWorkerSet leader's address),
+and the host's resolver answers the rest (pods still have no egress to use it with).
+
 Everything created goes into the ledger (e2e/runtime.py) and `RealNode.stop` / `Ledger.teardown`
 removes it: the pods first (their shims outlive containerd), then the processes by PID in reverse
 order, `kube-proxy --cleanup`, the iptables chains the CNI plugins made, the bridge and route,

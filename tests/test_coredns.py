@@ -51,11 +51,11 @@ def test_the_kube_dns_service_points_at_the_host():
 
 
 @pytest.mark.skipif(not coredns.BIN.is_file(), reason="CoreDNS not built: python e2e/coredns.py build")
-def test_the_built_binary_has_exactly_the_trimmed_plugins():
+def test_the_built_binary_has_the_trimmed_plugins_only():
     out = subprocess.run([str(coredns.BIN), "-plugins"], capture_output=True, text=True, check=True)
-    dns = {
-        line.strip().removeprefix("dns.")
-        for line in out.stdout.splitlines()
-        if line.strip().startswith("dns.")
-    }
-    assert dns == set(coredns.PLUGINS)
+    plugins = set(out.stdout.split())
+    assert set(coredns.PLUGINS) <= plugins
+    # What they import registers itself too (forward: dnstap, metadata; cache: prometheus), but
+    # none of the cloud back ends whose SDKs the trimming leaves out.
+    assert plugins - set(coredns.PLUGINS) <= {"debug", "dnstap", "metadata", "prometheus", "transfer"}
+    assert not {"route53", "azure", "clouddns", "etcd"} & plugins
