@@ -527,7 +527,7 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
             # headless Service would be named NAME, the name of our Service: it creates none
             # when that exists, so the group's subdomain is our ClusterIP Service, which lists
             # only ready leaders, and a leader is ready only once its followers joined it, which
-            # they cannot do without resolving it (found on the local node's CoreDNS).
+            # they cannot do without resolving it (LWS v0.8.0's CreateHeadlessServiceIfNotExists).
             "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             "leaderWorkerTemplate": {
                 "size": spec.nodes,
