@@ -8,6 +8,11 @@ SERVICE_CIDR, routed onto that same bridge, so a packet kube-proxy did not rewri
 the machine. Pods have no egress: no default route (only the Service range, via the host), no
 masquerading. `start` refuses to run when the machine already routes either range.
 
+Cluster DNS is CoreDNS (e2e/coredns.py), a host process like the others, on NODE_IP:53, behind
+the `kube-system/kube-dns` Service at DNS_IP (the kubelet's clusterDNS): pods resolve Services,
+pods and the hostname.subdomain names of headless Services (a LeaderWorkerSet leader's address),
+and the host's resolver answers the rest (pods still have no egress to use it with).
+
 Everything created goes into the ledger (e2e/runtime.py) and `RealNode.stop` / `Ledger.teardown`
 removes it: the pods first (their shims outlive containerd), then the processes by PID in reverse
 order, `kube-proxy --cleanup`, the iptables chains the CNI plugins made, the bridge and route,
@@ -24,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import coredns
 import images
 from cluster import Binaries, ControlPlane, ensure_built, kubectl
 from runtime import ROOT_DIR, RUN_DIR, Ledger, Runtimes, spawn, wait_until
@@ -32,6 +38,7 @@ NODE_NAME = "kvscale-node"
 POD_CIDR = "198.18.0.0/24"
 NODE_IP = "198.18.0.1"  # the bridge's address on the host
 SERVICE_CIDR = "198.19.0.0/24"
+DNS_IP = "198.19.0.10"  # the kube-dns Service: CoreDNS on the host, at NODE_IP:53 (e2e/coredns.py)
 BRIDGE = "kvscale0"
 SYSCTLS = {"net/ipv4/ip_forward": "1", "net/bridge/bridge-nf-call-iptables": "1"}
 IPTABLES_TABLES = ("filter", "nat", "mangle")
@@ -162,6 +169,21 @@ class RealNode:
             self.ledger, "kube-proxy", [str(binaries.kube_proxy), f"--config={proxy_config}"], self.log_dir
         )
 
+        # Cluster DNS before the kubelet, so every pod's resolv.conf names a server that answers.
+        # CoreDNS's own ledger entry (a process) stops it after the kubelet; the Service and its
+        # EndpointSlice live in the control plane's etcd and go with it.
+        coredns.start(self.ledger, cp.kubeconfig, NODE_IP, state / "coredns", self.log_dir)
+        kubectl(
+            cp.kubeconfig,
+            "apply",
+            "--server-side",
+            "-f",
+            "-",
+            input=json.dumps(
+                {"apiVersion": "v1", "kind": "List", "items": coredns.service_manifests(DNS_IP, NODE_IP)}
+            ),
+        )
+
         kubelet_root = ROOT_DIR / "kubelet"
         kubelet_root.mkdir(parents=True, exist_ok=True)
         self.ledger.add(kind="path", path=str(kubelet_root))
@@ -195,6 +217,8 @@ class RealNode:
                     "syncFrequency": "10s",
                     "fileCheckFrequency": "10s",
                     "resolvConf": "/etc/resolv.conf",
+                    "clusterDNS": [DNS_IP],
+                    "clusterDomain": coredns.CLUSTER_DOMAIN,
                 }
             )
         )
@@ -284,6 +308,7 @@ def real_cluster(state_dir: Path, runtimes: Runtimes, built: images.Built, log=p
     """The control plane on NODE_IP and a real node running the images of `built` (and the pause
     image); yields (ControlPlane, RealNode). Everything is torn down on exit, also on an error."""
     binaries = ensure_built(log)
+    coredns.build()
     images.pause_image(runtimes, binaries.pause)
     ledger = runtimes.ledger
     mark = len(ledger.entries)
@@ -306,7 +331,7 @@ def real_cluster(state_dir: Path, runtimes: Runtimes, built: images.Built, log=p
 
 def leftovers() -> list[str]:
     """What a teardown should have removed and did not: our bridge and route, iptables chains
-    of kube-proxy and the CNI plugins, mounts under the kubelet's root, live node processes."""
+    of kube-proxy and the CNI plugins, mounts under the kubelet's root, a live CoreDNS."""
     left = []
     if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0:
         left.append(f"link {BRIDGE}")
@@ -317,4 +342,5 @@ def leftovers() -> list[str]:
         left += [f"iptables -t {table} chain {c}" for c in sorted(chains) if c.startswith(OUR_CHAINS)]
     with open("/proc/self/mounts") as f:
         left += [f"mount {line.split()[1]}" for line in f if str(ROOT_DIR / "kubelet") in line.split()[1]]
+    left += [f"coredns pid {pid}" for pid in coredns.running()]
     return left

@@ -8,9 +8,10 @@
   Service selecting the leaders; switching back to one pod per copy deletes it for a Deployment.
 - With the LWS controller built from the same module and running beside the control plane
   (webhooks on 127.0.0.1, e2e/lws.py), a group's pods are created with the controller's labels
-  and LWS_* variables. Serving through the group needs the worker's multi-node flags (the worker
-  half of issue 18) and cluster DNS (the leader's address is a DNS name; the local real node has
-  no CoreDNS, kind has): that part is skipped, saying which is missing.
+  and LWS_* variables, and serve: the leader's address is a DNS name (NAME-0.NAME-0.NS, the
+  group's headless Service), resolved by the local node's CoreDNS (e2e/coredns.py) through the
+  kube-dns Service; both pods Ready, the follower answering only /health and /ready, and a
+  completion through the Service's ClusterIP equal to one process's greedy text.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import lws
 import pytest
 from kubernetes import client
+from model_fixtures import TARGET
 from test_controlplane import wait_for
 from test_operator import (  # noqa: F401 (fixtures)
     apply,
@@ -178,19 +181,70 @@ def test_the_lws_controller_brings_a_groups_pods_up(operator, namespace, tmp_pat
             pytest.skip(
                 "the group's pods are up; serving needs the worker's --nnodes (issue 18's worker half)"
             )
+        # LWS_LEADER_ADDRESS is a DNS name: the local node runs CoreDNS (e2e/coredns.py), kind has it.
         dns = core.list_namespaced_service("kube-system", label_selector="k8s-app=kube-dns").items
-        if not dns:  # LWS_LEADER_ADDRESS is a DNS name (NAME-0.NAME.NS): kind has CoreDNS, this node not
+        if not dns:
+            assert not operator.local, "the local real node runs CoreDNS as kube-system/kube-dns"
             pytest.skip("the group's pods are up; no cluster DNS here to resolve LWS_LEADER_ADDRESS")
         try:
             wait_ready(operator, name, ns, replicas=1, timeout=600)
         except AssertionError:
             raise AssertionError(explain(operator, name, ns)) from None
-        ip = core.read_namespaced_service(name, ns).spec.cluster_ip
-        body = {"model": name, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+        leader, follower = (core.read_namespaced_pod(n, ns) for n in (f"{name}-0", f"{name}-0-1"))
+        assert all(c.ready for p in (leader, follower) for c in p.status.container_statuses)
+
+        # The controller's headless Service of the group (UniquePerReplica, named after its
+        # leader), listing not-ready pods too, beside our Service, which selects the leaders.
+        headless = core.read_namespaced_service(f"{name}-0", ns)
+        assert headless.spec.cluster_ip == "None" and headless.spec.publish_not_ready_addresses
+        assert headless.spec.selector["leaderworkerset.sigs.k8s.io/group-index"] == "0"
+        ours = core.read_namespaced_service(name, ns)
+        assert ours.spec.cluster_ip not in (None, "None")
+        assert ours.spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+        address = next(e.value for e in follower.spec.containers[0].env if e.name == "LWS_LEADER_ADDRESS")
+        assert address == f"{name}-0.{name}-0.{ns}", address
+        # The follower's resolver (kube-dns, through kube-proxy) gives the leader pod's address.
+        resolved = operator.kubectl(
+            "exec", "-n", ns, follower.metadata.name, "--", "python3", "-c",
+            f"import socket; print(socket.gethostbyname({address!r}))",
+        ).stdout.strip()  # fmt: skip
+        assert resolved == leader.status.pod_ip, (resolved, leader.status.pod_ip)
+
+        # The follower serves only /health and /ready (200: its rank joined and loaded); the API is
+        # the leader's alone, which is Ready only once every rank has joined.
+        for path, want in (("/health", 200), ("/ready", 200), ("/v1/models", 404)):
+            assert http_status(f"http://{follower.status.pod_ip}:8000{path}") == want, path
+        assert http_status(f"http://{leader.status.pod_ip}:8000/ready") == 200
+
+        # A completion through the Service's ClusterIP, ranks on two pods over gloo: the text of
+        # one process (TP = 1) on the same model, greedy.
+        body = {"model": name, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
         request = urllib.request.Request(
-            f"http://{ip}:8000/v1/completions",
+            f"http://{ours.spec.cluster_ip}:8000/v1/completions",
             json.dumps(body).encode(),
             {"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=300) as r:
-            assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
+            assert r.status == 200
+            text = json.loads(r.read())["choices"][0]["text"]
+        assert text == tp1_greedy(PROMPT, NEW_TOKENS), text
+
+
+PROMPT, NEW_TOKENS = "def fibonacci(n):", 16
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def tp1_greedy(prompt: str, max_tokens: int) -> str:
+    """The fixture model's greedy text from one process on this host (the reference)."""
+    from kvscale.worker import LLM, SamplingParams
+
+    llm = LLM(str(TARGET), device="cpu", num_kv_blocks=64, max_model_len=512)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return out.outputs[0].text

@@ -522,6 +522,13 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
                     "maxUnavailable": max(1, spec.rollout.max_unavailable),
                 },
             },
+            # One headless Service per group, named after its leader (NAME-G), and so the
+            # leader's address NAME-G.NAME-G.NS. Under the default (Shared) the controller's one
+            # headless Service would be named NAME, the name of our Service: it creates none
+            # when that exists, so the group's subdomain is our ClusterIP Service, which lists
+            # only ready leaders, and a leader is ready only once its followers joined it, which
+            # they cannot do without resolving it (LWS v0.8.0's CreateHeadlessServiceIfNotExists).
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             "leaderWorkerTemplate": {
                 "size": spec.nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",

@@ -118,6 +118,10 @@ def test_a_multi_node_resource_is_a_leader_worker_set_of_groups(case):
     assert s["replicas"] == CASES[case]["replicas"]  # groups, not pods
     t = s["leaderWorkerTemplate"]
     assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # A headless Service per group (NAME-G): the Shared one would be named NAME, as our Service
+    # is, and the controller would then make none; the followers could not resolve the leader.
+    assert s["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
+    assert objs["Service"]["metadata"]["name"] == lws["metadata"]["name"]
     # The Deployment's default (surge 1, none unavailable), but at least one group unavailable:
     # the LWS controller's StatefulSet refuses maxUnavailable 0.
     assert s["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 1, "maxUnavailable": 1}
