@@ -19,14 +19,12 @@ kube-system, its EndpointSlice pointing at that address, is what pods' resolv.co
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
-import tempfile
 import urllib.request
 from pathlib import Path
 
+import go_module
 from runtime import Ledger, spawn, wait_until
 
 MODULE, VERSION = "github.com/coredns/coredns", "v1.15.0"
@@ -38,33 +36,13 @@ HEALTH_PORT, READY_PORT = 18053, 18054  # on 127.0.0.1
 SERVICE_NAME, SERVICE_NAMESPACE = "kube-dns", "kube-system"  # the names kubeadm and kind use
 
 
-def _mod_cache() -> Path:
-    if os.environ.get("GOMODCACHE"):
-        return Path(os.environ["GOMODCACHE"])
-    return Path(os.environ.get("GOPATH") or Path.home() / "go") / "pkg" / "mod"
-
-
 def module_dir() -> Path:
-    return _mod_cache() / f"{MODULE}@{VERSION}"
+    return go_module.module_dir(MODULE, VERSION)
 
 
 def fetch(timeout: float = 600) -> Path:
-    """The module's folder, downloaded first where needed (`go mod download` outside any module)."""
-    if (module_dir() / "plugin.cfg").is_file():
-        return module_dir()
-    if shutil.which("go") is None:
-        raise RuntimeError("the Go toolchain is needed to fetch CoreDNS (https://go.dev/dl)")
-    with tempfile.TemporaryDirectory() as empty:
-        out = subprocess.run(
-            ["go", "mod", "download", "-json", f"{MODULE}@{VERSION}"],
-            cwd=empty,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "GOFLAGS": "-mod=mod"},
-        )
-    return Path(json.loads(out.stdout)["Dir"])
+    """The module's folder, downloaded first where needed."""
+    return go_module.fetch(MODULE, VERSION, "plugin.cfg", timeout)
 
 
 def trimmed_plugin_cfg(text: str, keep: tuple[str, ...] = PLUGINS) -> str:
@@ -87,10 +65,7 @@ def build(timeout: float = 3600) -> Path:
     source = fetch()
     BIN.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CGO_ENABLED": "0"}
-    with tempfile.TemporaryDirectory() as work:
-        tree = Path(work) / "coredns"
-        shutil.copytree(source, tree)
-        subprocess.run(["chmod", "-R", "u+w", str(tree)], check=True)
+    with go_module.writable_copy(source) as tree:
         cfg = tree / "plugin.cfg"
         cfg.write_text(trimmed_plugin_cfg(cfg.read_text()))
         # directives_generate.go rewrites core/plugin/zplugin.go and core/dnsserver/zdirectives.go

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import go_module
 import yaml
 
 MODULE, VERSION = "sigs.k8s.io/lws", "v0.8.0"
@@ -41,15 +39,9 @@ WEBHOOK_PORT, HEALTH_PORT = 19443, 18081
 POD_SELECTOR = {"matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
 
 
-def _mod_cache() -> Path:
-    if os.environ.get("GOMODCACHE"):
-        return Path(os.environ["GOMODCACHE"])
-    return Path(os.environ.get("GOPATH") or Path.home() / "go") / "pkg" / "mod"
-
-
 def module_dir() -> Path:
     """Where the module's source is once fetched (it may not be yet)."""
-    return _mod_cache() / f"{MODULE}@{VERSION}"
+    return go_module.module_dir(MODULE, VERSION)
 
 
 def lws_crd_path() -> Path:
@@ -57,22 +49,8 @@ def lws_crd_path() -> Path:
 
 
 def fetch(timeout: float = 600) -> Path:
-    """The module's folder, downloaded first where needed (`go mod download` outside any module)."""
-    if lws_crd_path().is_file():
-        return module_dir()
-    if shutil.which("go") is None:
-        raise RuntimeError("the Go toolchain is needed to fetch sigs.k8s.io/lws (https://go.dev/dl)")
-    with tempfile.TemporaryDirectory() as empty:
-        out = subprocess.run(
-            ["go", "mod", "download", "-json", f"{MODULE}@{VERSION}"],
-            cwd=empty,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, "GOFLAGS": "-mod=mod"},
-        )
-    return Path(json.loads(out.stdout)["Dir"])
+    """The module's folder, downloaded first where needed."""
+    return go_module.fetch(MODULE, VERSION, CRD, timeout)
 
 
 def build(timeout: float = 3600) -> Path:
@@ -83,10 +61,7 @@ def build(timeout: float = 3600) -> Path:
         return MANAGER_BIN
     source = fetch()
     MANAGER_BIN.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as work:
-        tree = Path(work) / "lws"
-        shutil.copytree(source, tree)
-        subprocess.run(["chmod", "-R", "u+w", str(tree)], check=True)
+    with go_module.writable_copy(source) as tree:
         subprocess.run(
             ["go", "build", "-o", str(MANAGER_BIN), "./cmd"],
             cwd=tree,
