@@ -64,15 +64,19 @@ def install_crd(cluster) -> None:
     wait_for(established, timeout=120, interval=1, what="the LeaderWorkerSet CRD to be Established")
 
 
-def read_lws(cluster, ns: str, name: str) -> dict | None:
+def none_if_absent(read, *args):
+    """The object `read(*args)` returns, or None where the API server says 404."""
     try:
-        return client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
-            LWS_API[0], LWS_API[1], ns, LWS_API[2], name
-        )
+        return read(*args)
     except client.ApiException as e:
         if e.status == 404:
             return None
         raise
+
+
+def read_lws(cluster, ns: str, name: str) -> dict | None:
+    api = client.CustomObjectsApi(cluster.api)
+    return none_if_absent(api.get_namespaced_custom_object, LWS_API[0], LWS_API[1], ns, LWS_API[2], name)
 
 
 def owned(cluster, ns: str, name: str) -> list[str]:
@@ -129,12 +133,19 @@ def test_a_group_waits_for_the_leader_worker_set_crd_then_is_rendered_as_one(ope
         assert flag(c["args"], "--master-addr") == "$(LWS_LEADER_ADDRESS)"
         assert flag(c["args"], "--master-port") == "29500"
         assert template[role]["metadata"]["labels"][OWNER_LABEL] == name
-    svc = client.CoreV1Api(operator.api).read_namespaced_service(name, ns)
+    # The children are applied one by one, so the Service may land a moment after the LWS.
+    svc = wait_for(
+        lambda: none_if_absent(client.CoreV1Api(operator.api).read_namespaced_service, name, ns),
+        timeout=60, interval=0.5, what="the Service")
     assert svc.spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert f"deployment.apps/{name}" not in owned(operator, ns, name)
-    cr = get_cr(operator, name, ns)
-    assert condition(cr, "Ready").get("reason") != "LeaderWorkerSetUnavailable"
-    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
+
+    def reported():
+        cr = get_cr(operator, name, ns)
+        rendered = condition(cr, "Ready").get("reason") != "LeaderWorkerSetUnavailable"
+        return cr if rendered and cr["status"].get("observedGeneration") == cr["metadata"]["generation"] else None
+
+    wait_for(reported, timeout=60, interval=0.5, what="status of the rendered group")
 
     # One pod per copy again: the LeaderWorkerSet goes, a Deployment takes its place.
     apply(operator, example(name, ns, parallelism={"tensor": 1}, replicas=1))

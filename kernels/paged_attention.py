@@ -20,9 +20,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int64: tokens in the cache per sequence, the query's own included
     scale: float,
     sliding_window: int | None = None,
+    invalid: torch.Tensor | None = None,  # decode_key_mask(...) of these arguments, when the caller has it
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Batched over sequences by padding every block table to the longest; callers that mix very
-    different lengths should bucket sequences by length to bound the padding work."""
+    different lengths should bucket sequences by length to bound the padding work. The mask is the
+    same for every layer of a step, so the engine computes it once (`invalid`)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -35,13 +37,21 @@ def paged_decode_attention(
     q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
 
     scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, L]
-    key_pos = torch.arange(max_len, device=query.device)
-    invalid = key_pos[None, :] >= seq_lens[:, None]
-    if sliding_window is not None:
-        invalid |= key_pos[None, :] <= (seq_lens[:, None] - 1 - sliding_window)
+    if invalid is None:
+        invalid = decode_key_mask(seq_lens, max_len, sliding_window)
     scores.masked_fill_(invalid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     return torch.matmul(probs, values).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def decode_key_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, max_len] bool: True where a padded key position is not attended (past the sequence, or
+    before its sliding window)."""
+    key_pos = torch.arange(max_len, device=seq_lens.device)
+    invalid = key_pos[None, :] >= seq_lens[:, None]
+    if sliding_window is not None:
+        invalid |= key_pos[None, :] <= (seq_lens[:, None] - 1 - sliding_window)
+    return invalid
 
 
 def paged_prefill_attention(

@@ -3,8 +3,15 @@ temporary folder through the same code path users take (Hugging Face folder -> o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from model_fixtures import RANDOM_CONFIGS, TARGET
+
+# Engines (and the servers tests start) run eagerly unless a test asks for the compiled forward:
+# each compile takes tens of seconds on this CPU. tests/test_compiled_forward.py and the
+# engine-vs-transformers tests run it (worker/model/compilation.py).
+os.environ.setdefault("KVSCALE_ENFORCE_EAGER", "1")
 
 
 @pytest.fixture(scope="session")

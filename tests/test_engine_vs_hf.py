@@ -63,43 +63,65 @@ def run_and_compare(model_path: str, prompts: list[list[int]], max_new: list[int
     return llm
 
 
+# Both forwards: eager, and compiled (torch.compile on CPU, worker/model/compilation.py).
+FORWARDS = pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+
+
+@FORWARDS
 @pytest.mark.parametrize("name", sorted(RANDOM_CONFIGS))
-def test_random_configs_match_transformers(random_model_factory, name):
+def test_random_configs_match_transformers(random_model_factory, name, enforce_eager):
     path = random_model_factory(name)
     vocab_size = json.loads(Path(path, "config.json").read_text())["vocab_size"]
     prompts = mixed_prompts(vocab_size, 8, seed=len(name))
     max_new = [random.Random(i).randint(4, 40) for i in range(len(prompts))]
     # A small token budget forces chunked prefill next to running decodes.
-    run_and_compare(path, prompts, max_new, num_kv_blocks=256, block_size=8, max_num_batched_tokens=48)
+    llm = run_and_compare(
+        path, prompts, max_new, num_kv_blocks=256, block_size=8, max_num_batched_tokens=48,
+        enforce_eager=enforce_eager,
+    )  # fmt: skip
+    assert (llm.engine.runner.model.compiled is None) == enforce_eager
 
 
-def test_target_model_batch_of_mixed_lengths(target_model):
+@FORWARDS
+def test_target_model_batch_of_mixed_lengths(target_model, enforce_eager):
     prompts = mixed_prompts(4096, 10, seed=7, max_len=200)
     max_new = [48, 1, 7, 30, 64, 12, 40, 25, 3, 60]
-    run_and_compare(target_model, prompts, max_new, num_kv_blocks=512)
+    run_and_compare(target_model, prompts, max_new, num_kv_blocks=512, enforce_eager=enforce_eager)
 
 
-def test_target_model_under_preemption(target_model):
+@FORWARDS
+def test_target_model_under_preemption(target_model, enforce_eager):
     prompts = mixed_prompts(4096, 8, seed=11, max_len=60)
     max_new = [40] * len(prompts)
     # 14 blocks of 16 tokens cannot hold 8 sequences of ~70-100 tokens: preemption must happen.
-    llm = run_and_compare(target_model, prompts, max_new, num_kv_blocks=14, enable_prefix_caching=False)
+    llm = run_and_compare(
+        target_model,
+        prompts,
+        max_new,
+        num_kv_blocks=14,
+        enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
+    )
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_target_model_under_preemption_with_prefix_caching(target_model):
+@FORWARDS
+def test_target_model_under_preemption_with_prefix_caching(target_model, enforce_eager):
     prompts = mixed_prompts(4096, 8, seed=12, max_len=60)
-    llm = run_and_compare(target_model, prompts, [40] * len(prompts), num_kv_blocks=14)
+    llm = run_and_compare(
+        target_model, prompts, [40] * len(prompts), num_kv_blocks=14, enforce_eager=enforce_eager
+    )
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_target_model_prefix_caching_shared_prefixes(target_model):
+@FORWARDS
+def test_target_model_prefix_caching_shared_prefixes(target_model, enforce_eager):
     rng = random.Random(3)
     shared = [0] + [rng.randrange(4, 4096) for _ in range(70)]
     prompts = [shared + [rng.randrange(4, 4096) for _ in range(rng.randint(1, 30))] for _ in range(6)]
     prompts.append(list(shared))  # a prompt that is exactly the cached prefix
     max_new = [20] * len(prompts)
-    llm = run_and_compare(target_model, prompts, max_new, num_kv_blocks=256)
+    llm = run_and_compare(target_model, prompts, max_new, num_kv_blocks=256, enforce_eager=enforce_eager)
     stats = llm.engine.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0 and stats.hits / stats.queries > 0.3, stats
     # A second round is served from blocks freed by the first (cached, evictable) ones.

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+ENFORCE_EAGER_ENV = "KVSCALE_ENFORCE_EAGER"
+
+
+def enforce_eager_default() -> bool:
+    """EngineArgs.enforce_eager's default: off, unless KVSCALE_ENFORCE_EAGER=1. The test suite sets it,
+    so that a thousand short-lived engines do not each compile; the compiled path has its own tests."""
+    return os.environ.get(ENFORCE_EAGER_ENV, "0") not in ("", "0")
 
 
 @dataclass
@@ -30,6 +39,8 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
+    # Always run the model eagerly: no torch.compile on CPU, no CUDA graphs (model/compilation.py).
+    enforce_eager: bool = field(default_factory=enforce_eager_default)
     # Speculative decoding (docs/speculative.md): a draft model or n-gram prompt lookup proposes up to
     # num_speculative_tokens per step; the target verifies them all in one forward.
     speculative_method: str | None = None  # draft | ngram; a draft_model alone implies draft
@@ -125,8 +136,9 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_required: bool = True) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             else:
                 kind = {"int": int, "int | None": int, "float | None": float}.get(f.type, str)
                 parser.add_argument(

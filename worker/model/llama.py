@@ -17,6 +17,8 @@ from torch import nn
 
 from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm
 from kvscale.worker.model.attention.backend import AttentionBackend
+from kvscale.worker.model.attention.unified_attention import unified_attention
+from kvscale.worker.model.forward_context import set_forward_context
 from kvscale.worker.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from kvscale.worker.model.layers.rope import head_dim_of, rope_cos_sin
 from kvscale.worker.model.layers.tp_layout import TPLayout, tp_layout
@@ -114,6 +116,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.layer_idx = layer_idx
         self.sliding_window = spec.sliding_windows[layer_idx]
         qkv_size = self.q_size + 2 * self.kv_size
         self.qkv_proj = ColumnParallelLinear(spec.hidden_size, qkv_size, bias=spec.qkv_bias)
@@ -123,7 +126,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, ctx: ForwardContext, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -131,11 +134,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_embedding(ctx.positions, q, k, ctx.cos, ctx.sin)
-        out = ctx.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], ctx.attn_metadata, self.scale, self.sliding_window
-        )
-        return self.o_proj(out.view(-1, self.q_size))
+        q, k = apply_rotary_embedding(rope.positions, q, k, rope.cos, rope.sin)
+        out = unified_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))  # a decode output may be a strided view
 
 
 class MLP(nn.Module):
@@ -158,25 +159,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, hidden, residual, ctx, kv_cache):
+    def forward(self, hidden, residual, rope: RopeInputs):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, ctx, kv_cache)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
 @dataclass
-class ForwardContext:
-    """Per-step inputs shared by all layers."""
+class RopeInputs:
+    """This step's positions and the rotary tables, shared by all layers."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    backend: AttentionBackend
-    attn_metadata: object
 
 
 class DecoderModel(nn.Module):
@@ -210,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.hidden_size, layout.vocab_per_rank, spec.vocab_size, tp=tp)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.compiled = None  # forward_tokens under torch.compile, where model/compilation.py made one
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_cos_sin(self.hf_config, self.max_position, device)
@@ -226,10 +226,17 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         attn_metadata: object,
     ) -> torch.Tensor:
-        ctx = ForwardContext(positions, self.rope_cos, self.rope_sin, backend, attn_metadata)
+        """Final hidden states of the flat batch. Attention reaches the backend, its plan and the
+        caches through the forward context; the rest is a function of the tokens and positions only,
+        which `compiled` (model/compilation.py) may replace with a torch.compile'd version."""
+        with set_forward_context(backend, attn_metadata, kv_caches):
+            return (self.compiled or self.forward_tokens)(input_ids, positions)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
         hidden, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, ctx, kv_cache)
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -19,6 +19,7 @@ from kvscale.worker.distributed.communication_op import gather_objects, min_over
 from kvscale.worker.distributed.step_broadcast import broadcast_step
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 from kvscale.worker.model.attention.selector import get_attention_backend
+from kvscale.worker.model.compilation import CompiledForward, compile_decision
 from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 from kvscale.worker.model.forward_batch import SeqChunk, forward_logits
 from kvscale.worker.model.kv_cache import (
@@ -108,7 +109,39 @@ class ModelRunner:
             self.draft.allocate_kv_cache(self.num_blocks)
         # Decode-only steps replay captured CUDA graphs (CUDA + Triton backend only; None elsewhere).
         # Not yet under tensor parallelism: capturing the collectives is untested (docs/parallelism.md).
-        self.cuda_graphs = CUDAGraphRunner.maybe_create(self, args.max_num_seqs) if tp is None else None
+        self.cuda_graphs = (
+            CUDAGraphRunner.maybe_create(self, args.max_num_seqs)
+            if tp is None and not args.enforce_eager
+            else None
+        )
+        # The compiled CPU forward (model/compilation.py), compiled here so that /ready waits for it.
+        self.compile_seconds: float | None = None
+        self._maybe_compile(args)
+
+    def _maybe_compile(self, args: EngineArgs) -> None:
+        reason = compile_decision(self.device, self.tp is not None, args.enforce_eager)
+        if reason is not None:
+            logger.info("eager forward: %s", reason)
+            return
+        self.model.compiled = compiled = CompiledForward(self.model.forward_tokens)
+        try:
+            with torch.inference_mode():
+                self.compile_seconds = compiled.warm_up(self._dummy_forward)
+        except Exception:  # a broken toolchain must not keep the worker from serving
+            logger.warning("torch.compile failed; the forward runs eagerly", exc_info=True)
+            self.model.compiled = None
+            return
+        logger.info("compiled the forward in %.1f s", self.compile_seconds)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One forward of num_tokens scratch tokens into block 0 (nothing is cached before serving):
+        decodes for 2..8 tokens, one prefill chunk for more, as real steps would shape them."""
+        blocks = [0] * -(-num_tokens // self.block_size)
+        if 1 < num_tokens <= 8:
+            chunks = [SeqChunk([0], 0, [0]) for _ in range(num_tokens)]
+        else:
+            chunks = [SeqChunk([0] * num_tokens, 0, blocks)]
+        self.forward_step(chunks, [1] * len(chunks))
 
     # -- KV cache ----------------------------------------------------------------------------
     def _size_kv_cache(self, args: EngineArgs) -> int:

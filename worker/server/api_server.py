@@ -244,7 +244,16 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     if load.done():
         # Scans the vocabulary (128k entries for Llama 3): once, and off the event loop.
         await loop.run_in_executor(None, lambda: state.serving.max_prompt_bytes)
-        logger.info("ready", extra={"model": model_name, "kv_blocks": llm.engine.kv_cache_manager.num_blocks})
+        compile_s = llm.engine.runner.compile_seconds
+        logger.info(
+            "ready",
+            extra={
+                "model": model_name,
+                "kv_blocks": llm.engine.kv_cache_manager.num_blocks,
+                # Start-up seconds spent compiling the forward (None: eager), part of time-to-ready.
+                "compile_s": None if compile_s is None else round(compile_s, 1),
+            },
+        )
         await stopper
 
     state.draining = True

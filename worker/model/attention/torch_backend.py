@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
 
 from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
+from kvscale.kernels.paged_attention import decode_key_mask
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 
 
@@ -39,6 +40,14 @@ class _DecodeBucket:
     end: int
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    # Key masks per sliding window (None: full attention), made by the step's first layer.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, block_size: int, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window not in self.masks:
+            max_len = self.block_tables.shape[1] * block_size
+            self.masks[sliding_window] = decode_key_mask(self.seq_lens, max_len, sliding_window)
+        return self.masks[sliding_window]
 
 
 @dataclass
@@ -94,12 +103,25 @@ class TorchAttentionBackend:
                 query, k_cache, v_cache, metadata.prefill_block_tables, metadata.prefill_query_start_loc,
                 metadata.prefill_seq_lens, scale, sliding_window,
             )  # fmt: skip
-        out = torch.empty_like(query)
-        for b in metadata.decode_buckets:
-            out[b.start : b.end] = paged_decode_attention(
-                query[b.start : b.end], k_cache, v_cache, b.block_tables, b.seq_lens, scale, sliding_window
+        buckets, nd, bs = metadata.decode_buckets, metadata.num_decodes, k_cache.shape[2]
+        if len(buckets) == 1 and query.shape[0] == nd:  # the common decode step: no copy into `out`
+            b = buckets[0]
+            return paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                b.block_tables,
+                b.seq_lens,
+                scale,
+                sliding_window,
+                b.mask(bs, sliding_window),
             )
-        nd = metadata.num_decodes
+        out = torch.empty_like(query)
+        for b in buckets:
+            out[b.start : b.end] = paged_decode_attention(
+                query[b.start : b.end], k_cache, v_cache, b.block_tables, b.seq_lens, scale, sliding_window,
+                b.mask(bs, sliding_window),
+            )  # fmt: skip
         if query.shape[0] > nd:
             out[nd:] = paged_prefill_attention(
                 query[nd:], k_cache, v_cache, metadata.prefill_block_tables, metadata.prefill_query_start_loc,

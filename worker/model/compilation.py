@@ -1,0 +1,96 @@
+"""The compiled forward on CPU: `torch.compile` (inductor, C++ wrapper) of the model's per-token
+work, so that a decode step costs its matrix products rather than ~1,400 eager ops (issue 19).
+
+What compiles is `LlamaForCausalLM.forward_tokens`: embedding, norms, projections, RoPE and the MLP,
+fused by inductor into a few C++ loops around the matmuls. Attention stays an opaque op
+(attention/unified_attention.py) that reaches the step's plan through the forward context, so
+the graph depends on the number of tokens alone. Three graphs cover every step, all compiled at
+start-up (`warm_up`), never on a request's time:
+
+- 1 token (decode at one stream): static shapes;
+- 2..8 tokens and 9 or more: one dynamic-shape graph each (the split is Linear's small-row path,
+  layers/linear.py).
+
+After warm-up the dispatch runs with dynamo's guard checks cut to those that tell the graphs apart
+(`skip_guard_eval_unsafe`: the full checks cost ~1 ms per call on this model) and recompiling is
+refused: a step no graph covers runs eagerly instead of stalling every request on a compile.
+
+Not compiled: CUDA (CUDA graphs do this job there), tensor parallelism (the collectives inside the
+graph are untested), `enforce_eager`, and machines without a C++ compiler (inductor needs one;
+the worker image has none, so pods run eager: docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Token counts compiled at start-up: one per graph (see the module docstring).
+WARM_UP_TOKENS = (1, 2, 9)
+
+
+def inductor_cxx() -> str:
+    """The C++ compiler inductor will call."""
+    import torch._inductor.config
+
+    return torch._inductor.config.cpp.cxx[1] or "g++"
+
+
+def compile_decision(
+    device: torch.device, tensor_parallel: bool, enforce_eager: bool, cxx: str | None = None
+) -> str | None:
+    """None when the forward should compile, else why it runs eagerly. cxx: inductor's compiler."""
+    if enforce_eager:
+        return "enforce_eager is set"
+    if device.type != "cpu":
+        return f"compiled forward is for CPUs (on {device.type}, CUDA graphs cover decode steps)"
+    if tensor_parallel:
+        return "not under tensor parallelism (collectives in the graph are untested)"
+    cxx = cxx or inductor_cxx()
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not on PATH): inductor needs one"
+    return None
+
+
+class CompiledForward:
+    """`forward_tokens(input_ids, positions)` compiled; call `warm_up` once before serving."""
+
+    def __init__(self, forward_tokens) -> None:
+        # dynamo caches graphs per function, not per model: every model of this class in the process
+        # (the tests build dozens) shares forward_tokens' cache, whose default limit is 8 graphs.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.eager = forward_tokens
+        self.compiled = torch.compile(forward_tokens, fullgraph=True, options={"cpp_wrapper": True})
+        self.ready = False
+        self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] > 1:  # one graph for all sizes above 1, not one per size
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        if not self.ready:
+            return self.compiled(input_ids, positions)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
+                return self.compiled(input_ids, positions)
+        except RuntimeError as e:
+            if "recompil" not in str(e).lower():
+                raise
+            self.eager_fallbacks += 1
+            logger.warning(
+                "a step of %d tokens matched no compiled graph; it runs eagerly", input_ids.shape[0]
+            )
+            return self.eager(input_ids, positions)
+
+    def warm_up(self, run_tokens) -> float:
+        """Compiles every graph: run_tokens(n) runs one forward of n tokens through this. Seconds."""
+        start = time.perf_counter()
+        for n in WARM_UP_TOKENS:
+            run_tokens(n)
+        self.ready = True
+        return time.perf_counter() - start
