@@ -1,8 +1,10 @@
 """The GPU check: every Triton kernel against its reference, then timings, then the engine's decode
-throughput against transformers `generate`, all on the GPU at hand. Prints one JSON object.
+throughput against transformers `generate` and its decode step time with and without CUDA graphs,
+all on the GPU at hand. Prints one JSON object.
 
-    python -m kvscale.kernels.bench --json            # the whole check, a few minutes
-    python -m kvscale.kernels.bench --json --skip-e2e # kernels only
+    python -m kvscale.kernels.bench --json                          # the whole check, a few minutes
+    python -m kvscale.kernels.bench --json --skip-e2e               # kernels only
+    python -m kvscale.kernels.bench --json --sections decode_steps  # some sections only
 
 1. Correctness: each kernel on fresh random data in float16 and bfloat16, outputs poisoned with
    NaN first, compared with its plain-torch reference (max relative error, pass/fail).
@@ -12,20 +14,25 @@ throughput against transformers `generate`, all on the GPU at hand. Prints one J
 3. End to end: a ~1B-parameter Llama-shaped model with random weights (bf16, safetensors, built in a
    temporary folder: nothing is downloaded), batch 64 greedy decode, our engine against
    transformers `generate` on the same GPU and weights. Goal: >= 3x.
+4. Decode steps: on the same model, the engine's decode step time (median of the timed
+   `engine.step()` calls once the prefill is done) at batch 1 and 64, CUDA graphs on and off, and
+   the ratio off / on per batch. The engine has no asynchronous scheduling; the section says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -75,6 +82,9 @@ GPU_SIZES = dict(
     prompt_len=128,
     new_tokens=256,
     max_model_len=1024,
+    step_batches=(1, 64),  # decode_steps: a short prompt, then every step a decode of the whole batch
+    step_prompt_len=32,
+    step_new_tokens=128,
 )
 SMOKE_SIZES = dict(
     heads=(4, 2, 32), check_decode_lens=[1, 15, 16, 17, 40], check_window=20,
@@ -84,6 +94,7 @@ SMOKE_SIZES = dict(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256),
     batch=3, prompt_len=6, new_tokens=3, max_model_len=64,
+    step_batches=(1, 3), step_prompt_len=6, step_new_tokens=4,
 )  # fmt: skip
 SIZES = GPU_SIZES
 
@@ -385,18 +396,48 @@ def hf_generate(path: Path, prompts: torch.Tensor, new_tokens: int) -> tuple[flo
     return elapsed, out[:, prompts.shape[1] :].tolist()
 
 
+def make_engine(path: Path, max_num_seqs: int):
+    """Our engine on the model folder, as every model section runs it."""
+    from kvscale.worker import LLM
+
+    return LLM(
+        str(path), dtype="bfloat16", device=DEVICE, max_num_seqs=max_num_seqs,
+        max_model_len=SIZES["max_model_len"], kv_cache_memory_bytes=8 * 2**30 if DEVICE == "cuda" else 2**26,
+        attention_backend="auto" if DEVICE == "cuda" else "triton",
+    )  # fmt: skip
+
+
+def engine_runner(llm):
+    """The engine's model runner, found by type so that renames inside the engine do not break the
+    script."""
+    return next(
+        (v for v in vars(llm.engine).values() if hasattr(v, "backend") and hasattr(v, "kv_caches")), None
+    )
+
+
+def engine_graphs(llm):
+    """The runner's CUDAGraphRunner, or None when the engine runs its decode steps eagerly."""
+    from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
+
+    runner = engine_runner(llm)
+    values = vars(runner).values() if runner is not None else ()
+    return next((v for v in values if isinstance(v, CUDAGraphRunner)), None)
+
+
+def engine_info(llm) -> dict:
+    """Which paths the engine runs: its attention backend, and whether it captured CUDA graphs."""
+    return {
+        "attention_backend": getattr(getattr(engine_runner(llm), "backend", None), "name", None),
+        "cuda_graphs": engine_graphs(llm) is not None,
+    }
+
+
 def engine_generate(
     path: Path, prompts: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[list[int]], dict]:
-    from kvscale.worker import LLM, SamplingParams
-    from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
+    from kvscale.worker import SamplingParams
 
-    batch = prompts.shape[0]
-    llm = LLM(
-        str(path), dtype="bfloat16", device=DEVICE, max_num_seqs=batch, max_model_len=SIZES["max_model_len"],
-        kv_cache_memory_bytes=8 * 2**30 if DEVICE == "cuda" else 2**26,
-        attention_backend="auto" if DEVICE == "cuda" else "triton",
-    )  # fmt: skip
+    llm = make_engine(path, prompts.shape[0])
     token_lists = prompts.tolist()
     llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -405,15 +446,7 @@ def engine_generate(
     outputs = llm.generate(token_lists, params)
     synchronize()
     elapsed = time.perf_counter() - start
-    # Which paths ran, found by type so that renames inside the engine do not break the script.
-    runner = next(
-        (v for v in vars(llm.engine).values() if hasattr(v, "backend") and hasattr(v, "kv_caches")), None
-    )
-    info = {
-        "attention_backend": getattr(getattr(runner, "backend", None), "name", None),
-        "cuda_graphs": runner is not None
-        and any(isinstance(v, CUDAGraphRunner) for v in vars(runner).values()),
-    }
+    info = engine_info(llm)
     del llm
     return elapsed, [list(o.outputs[0].token_ids) for o in outputs], info
 
@@ -423,22 +456,46 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+_random_llama: tuple[tempfile.TemporaryDirectory, dict] | None = None
+
+
+def random_llama() -> tuple[Path, dict]:
+    """The random Llama's folder and description, built on first use and shared by the model
+    sections (building it trains the tokenizer and writes ~2 GB); main removes it at the end."""
+    global _random_llama
+    if _random_llama is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvscale-bench-")
+        log("building the random Llama")
+        _random_llama = (tmp, build_model(Path(tmp.name)))
+    tmp, model_info = _random_llama
+    return Path(tmp.name), model_info
+
+
+def remove_random_llama() -> None:
+    global _random_llama
+    if _random_llama is not None:
+        _random_llama[0].cleanup()
+        _random_llama = None
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int) -> torch.Tensor:
+    """Seeded random prompts, BOS first, clear of the special tokens."""
+    g = torch.Generator().manual_seed(0)
+    body = torch.randint(4, vocab_size, (batch, prompt_len - 1), generator=g)
+    return torch.cat([torch.zeros(batch, 1, dtype=torch.long), body], dim=1)
+
+
 def end_to_end() -> dict:
     s = SIZES
     batch, prompt_len, new_tokens = s["batch"], s["prompt_len"], s["new_tokens"]
-    with tempfile.TemporaryDirectory(prefix="kvscale-bench-") as tmp:
-        path = Path(tmp)
-        log("building the random Llama")
-        model_info = build_model(path)
-        g = torch.Generator().manual_seed(0)
-        body = torch.randint(4, model_info["vocab_size"], (batch, prompt_len - 1), generator=g)
-        prompts = torch.cat([torch.zeros(batch, 1, dtype=torch.long), body], dim=1)  # BOS first
-        log("transformers generate")
-        hf_s, hf_tokens = hf_generate(path, prompts, new_tokens)
-        free_memory()
-        log("kvscale engine")
-        ours_s, our_tokens, info = engine_generate(path, prompts, new_tokens)
-        free_memory()
+    path, model_info = random_llama()
+    prompts = make_prompts(batch, prompt_len, model_info["vocab_size"])
+    log("transformers generate")
+    hf_s, hf_tokens = hf_generate(path, prompts, new_tokens)
+    free_memory()
+    log("kvscale engine")
+    ours_s, our_tokens, info = engine_generate(path, prompts, new_tokens)
+    free_memory()
     generated = batch * new_tokens
     # Random bf16 weights make near-ties common, so greedy agreement is a sanity figure, not a test.
     agree = []
@@ -461,7 +518,134 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# -- 4. decode steps ------------------------------------------------------------------------------
+ASYNC_SCHEDULING = {
+    "available": False,
+    "reason": (
+        "the engine has no asynchronous (overlapped) scheduling: LLMEngine.step schedules, runs the "
+        "forward, samples and updates the requests in turn, so the host's part of a step is not hidden "
+        "behind the GPU's; there is nothing to switch on and time"
+    ),
+}
+
+
+@contextlib.contextmanager
+def cuda_graphs_env(enabled: bool) -> Iterator[None]:
+    """KVSCALE_CUDA_GRAPHS for an engine made inside (the runner reads it once, when it is made;
+    EngineArgs has no switch for it), restored afterwards."""
+    name = "KVSCALE_CUDA_GRAPHS"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def time_decode_steps(path: Path, prompts: torch.Tensor, new_tokens: int, cuda_graphs: bool) -> dict:
+    """Greedy decode of the whole batch; each engine.step() after the prefill timed on its own,
+    bracketed by synchronizes."""
+    from kvscale.worker import SamplingParams
+
+    batch = prompts.shape[0]
+    with cuda_graphs_env(cuda_graphs):
+        llm = make_engine(path, batch)
+    token_lists = prompts.tolist()
+    # Warm-up at this batch size: compiles the eager path's kernels for its shapes.
+    llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    # Count replays, so the report says whether the timed steps ran graphs, not only that they exist.
+    graphs = engine_graphs(llm)
+    replays = 0
+    if graphs is not None:
+        replay = graphs.run
+
+        def counted(*args, **kwargs):
+            nonlocal replays
+            replays += 1
+            return replay(*args, **kwargs)
+
+        graphs.run = counted
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(t, params) for t in token_lists]
+    decoding: set[str] = set()
+    prefill_steps = 0
+    # The prefill: until every request has its first token.
+    while len(decoding) < len(ids) and engine.has_unfinished_requests():
+        decoding.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+        prefill_steps += 1
+    replays = 0
+    step_ms: list[float] = []
+    tokens: list[int] = []  # per timed step: the tokens it produced (batch, in a whole-batch decode)
+    while engine.has_unfinished_requests():
+        synchronize()
+        start = time.perf_counter()
+        outputs = engine.step()
+        synchronize()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs))
+    failed = engine.take_failed()
+    if failed:
+        raise next(iter(failed.values()))
+    info = engine_info(llm)
+    if graphs is not None:
+        del graphs.run  # the class's method again
+    del llm, graphs
+    free_memory()
+    return {
+        "cuda_graphs_requested": cuda_graphs, **info, "graph_replays": replays,
+        "prefill_steps": prefill_steps, "timed_steps": len(step_ms),
+        "whole_batch_steps": all(n == batch for n in tokens),
+        "median_step_ms": statistics.median(step_ms), "mean_step_ms": statistics.mean(step_ms),
+        "min_step_ms": min(step_ms), "max_step_ms": max(step_ms),
+        "tokens_per_s": sum(tokens) / (sum(step_ms) / 1e3),  # over the timed steps
+    }  # fmt: skip
+
+
+def decode_steps() -> dict:
+    s = SIZES
+    prompt_len, new_tokens = s["step_prompt_len"], s["step_new_tokens"]
+    path, model_info = random_llama()
+    batches: dict[str, dict] = {}
+    for batch in s["step_batches"]:
+        prompts = make_prompts(batch, prompt_len, model_info["vocab_size"])
+        row = {}
+        for on in (True, False):
+            log(f"decode steps: batch {batch}, CUDA graphs {'on' if on else 'off'}")
+            row["cuda_graphs_on" if on else "cuda_graphs_off"] = time_decode_steps(
+                path, prompts, new_tokens, on
+            )
+        # Above 1: graphs make the step faster. Compares eager with eager when graphs did not run.
+        row["graphs_off_over_on"] = (
+            row["cuda_graphs_off"]["median_step_ms"] / row["cuda_graphs_on"]["median_step_ms"]
+        )
+        batches[str(batch)] = row
+    # Graphs ran: every timed step of each graphs-on run replayed one, and no graphs-off run had any.
+    graphs_ran = all(
+        b["cuda_graphs_on"]["graph_replays"] == b["cuda_graphs_on"]["timed_steps"] > 0
+        and not b["cuda_graphs_off"]["cuda_graphs"]
+        for b in batches.values()
+    )
+    result = {
+        "model": model_info, "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches,
+        "graphs_ran": graphs_ran, "async_scheduling": ASYNC_SCHEDULING,
+    }  # fmt: skip
+    if not graphs_ran:
+        result["note"] = (
+            "CUDA graphs did not replay in every timed step of the graphs-on runs (they need a CUDA "
+            "device and the Triton backend; on a CPU under --smoke they never run): a ratio whose "
+            "graphs-on run has graph_replays 0 compares eager with eager"
+        )
+    return result
+
+
 # -- main -----------------------------------------------------------------------------------------
+SECTIONS = ("correctness", "kernels", "end_to_end", "decode_steps")
+
+
 def _section(report: dict, name: str, fn: Callable[[], object]) -> None:
     log(name)
     start = time.perf_counter()
@@ -472,17 +656,36 @@ def _section(report: dict, name: str, fn: Callable[[], object]) -> None:
     log(f"{name} done in {time.perf_counter() - start:.1f} s")
 
 
+def parse_sections(value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}"
+        )
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     global DEVICE, SIZES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (also the default)")
-    parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
+    parser.add_argument("--skip-e2e", action="store_true", help="kernels only (no model sections)")
+    parser.add_argument(
+        "--sections",
+        type=parse_sections,
+        default=list(SECTIONS),
+        help=f"comma-separated sections (default all; they run in this order): {','.join(SECTIONS)}",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny shapes; on a CPU under TRITON_INTERPRET=1 (checks the script)",
     )
     args = parser.parse_args(argv)
+    sections = [n for n in SECTIONS if n in args.sections]
+    if args.skip_e2e:
+        sections = [n for n in sections if n not in ("end_to_end", "decode_steps")]
     if args.smoke:
         SIZES = SMOKE_SIZES
     if not torch.cuda.is_available():
@@ -506,19 +709,29 @@ def main(argv: list[str] | None = None) -> int:
         "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "command": "python -m kvscale.kernels.bench --json" + (" --smoke" if args.smoke else ""),
+        "command": " ".join(["python -m kvscale.kernels.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "sections": sections,
     }
     start = time.perf_counter()
-    copy_bw = copy_bandwidth(2**30 if on_gpu else 2**20)
-    report["copy_bandwidth_bytes_per_s"] = copy_bw
-    _section(report, "correctness", check_kernels)
-    _section(report, "kernels", lambda: time_kernels(copy_bw))
-    if not args.skip_e2e:
-        _section(report, "end_to_end", end_to_end)
+    try:
+        copy_bw = 0.0  # the kernel timings' yardstick, measured only for them
+        if "kernels" in sections:
+            copy_bw = report["copy_bandwidth_bytes_per_s"] = copy_bandwidth(2**30 if on_gpu else 2**20)
+        run = {
+            "correctness": check_kernels,
+            "kernels": lambda: time_kernels(copy_bw),
+            "end_to_end": end_to_end,
+            "decode_steps": decode_steps,
+        }
+        for name in sections:
+            _section(report, name, run[name])
+    finally:
+        remove_random_llama()
     report["wall_s"] = time.perf_counter() - start
     print(json.dumps(report, indent=2, default=str))
     failed = [k for k, v in report.items() if isinstance(v, dict) and "error" in v]
-    correct = isinstance(report["correctness"], dict) and report["correctness"].get("ok", False)
+    correctness = report.get("correctness", {"ok": True})  # not run: nothing found wrong
+    correct = isinstance(correctness, dict) and correctness.get("ok", False)
     return 0 if correct and not failed else 1
 
 
