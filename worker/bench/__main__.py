@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import longout, route, serve, spec, structured, throughput, tp
+from kvscale.worker.bench import longout, peer, route, serve, spec, structured, throughput, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="benchmark", required=True)
     throughput.add_parser(sub, [common])
     serve.add_parser(sub, [common])
+    peer.add_parser(sub, [common])
     spec.add_parser(sub, [common])
     longout.add_parser(sub, [common])
     route.add_parser(sub, [common])

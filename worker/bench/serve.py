@@ -11,14 +11,15 @@ same seeded workload (`code_workload`), greedy, EOS ignored.
    `stream_options.include_usage`) from an asyncio client holding at most C in flight.
 
 Per request: TTFT (request sent -> first chunk carrying text), the gaps between chunks carrying
-text, end-to-end latency, and completion tokens from the final usage chunk. ITL is measured per
-chunk: a chunk usually carries one token, but may carry several (text the detokenizer held back,
-or steps a slow client skipped), so `chunks_per_token` says how close per-chunk is to per-token;
-TPOT (time per output token after the first: (last chunk - first chunk) / (tokens - 1)) is the
-per-token figure. Output tokens/s = all completion tokens / wall time of the level. Each level
-also reports the CPU seconds the client and the server process used during it (both share the
-machine). `--profile-server` runs each server with every thread under cProfile (stats files next
-to the server logs) to see where the server's time goes.
+text, end-to-end latency, and completion tokens from the final usage chunk (from a server that
+sends none, the chunks carrying text). ITL is measured per chunk: a chunk usually carries one
+token, but may carry several (text the detokenizer held back, or steps a slow client skipped),
+so `chunks_per_token` says how close per-chunk is to per-token; TPOT (time per output token
+after the first: (last chunk - first chunk) / (tokens - 1)) is the per-token figure. Output
+tokens/s = all completion tokens / wall time of the level. Each level also reports the CPU
+seconds the client and the server process used during it (both share the machine).
+`--profile-server` runs each server with every thread under cProfile (stats files next to the
+server logs) to see where the server's time goes.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: Path
-    startup_s: float | None = None  # process start to /ready (set by start_server)
+    startup_s: float | None = None  # process start to ready (set by launch)
+    ready_path: str = "/ready"  # answers 200 once the server serves (llama-server: /health)
 
     @property
     def base_url(self) -> str:
@@ -112,7 +114,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.base_url + "/ready", timeout=5) as r:
+                with urllib.request.urlopen(self.base_url + self.ready_path, timeout=5) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -139,6 +141,30 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def launch(
+    cmd: list[str],
+    port: int,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    ready_path: str = "/ready",
+    timeout: float = 600.0,
+) -> ServerProcess:
+    """Any HTTP server process on localhost:port (ours or a peer's), waited for until ready."""
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ServerProcess(proc, port, log_path, ready_path=ready_path)
+    try:
+        server.wait_ready(timeout)
+    except BaseException:
+        server.stop()
+        raise
+    # Process start to ready: what a new worker takes before it serves (the autoscaling
+    # simulator's load time, docs/autoscaling.md).
+    server.startup_s = time.monotonic() - started
+    return server
+
+
 def start_server(
     model: str, flags: list[str], log_path: Path, profile_prefix: str | None = None, timeout: float = 600.0
 ) -> ServerProcess:
@@ -150,19 +176,7 @@ def start_server(
     else:
         cmd = [sys.executable, "-c", _PROFILED_SERVER, *args]
         env["KVSCALE_BENCH_PROFILE"] = profile_prefix
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(proc, port, log_path)
-    try:
-        server.wait_ready(timeout)
-    except BaseException:
-        server.stop()
-        raise
-    # Process start to /ready: what a new worker takes before it serves (the autoscaling
-    # simulator's load time, docs/autoscaling.md).
-    server.startup_s = time.monotonic() - started
-    return server
+    return launch(cmd, port, log_path, env, timeout=timeout)
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -173,6 +187,7 @@ class RequestResult:
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     completion_tokens: int = 0
+    usage_reported: bool = False  # False: completion_tokens counts the chunks carrying text
     error: str | None = None
 
     @property
@@ -223,10 +238,13 @@ async def _stream_one(session, url: str, prompt: list[int], max_tokens: int) -> 
                     result.chunk_times.append(now)
                 if chunk.get("usage"):
                     result.completion_tokens = chunk["usage"]["completion_tokens"]
+                    result.usage_reported = True
     except (aiohttp.ClientError, TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.end = time.perf_counter()
+    if not result.usage_reported:  # a server without stream_options: one token per chunk
+        result.completion_tokens = len(result.chunk_times)
     if not result.chunk_times:
         result.error = "no text in the stream"
     elif result.completion_tokens != max_tokens:
@@ -234,12 +252,15 @@ async def _stream_one(session, url: str, prompt: list[int], max_tokens: int) -> 
     return result
 
 
-async def run_level(base_url: str, workload: Workload, concurrency: int) -> dict[str, Any]:
-    """All requests of the workload, in order, at most `concurrency` in flight."""
+async def run_level(
+    base_url: str, workload: Workload, concurrency: int, force_close: bool = False
+) -> dict[str, Any]:
+    """All requests of the workload, in order, at most `concurrency` in flight. `force_close`: a
+    connection per request (llama-server closes some reused keep-alive connections after a stream)."""
     import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=force_close)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
@@ -280,6 +301,7 @@ def summarize(results: list[RequestResult], wall: float, concurrency: int) -> di
         "tpot_ms": _ms_percentiles([t for r in ok if (t := r.tpot) is not None]),
         "e2e_ms": _ms_percentiles([r.end - r.start for r in ok]),
         "chunks_per_token": round(chunks / tokens, 4) if tokens else None,
+        "tokens_counted_from_chunks": sum(not r.usage_reported for r in ok),
     }
 
 
@@ -295,7 +317,66 @@ async def _warm_up(base_url: str) -> None:
                     raise RuntimeError(f"warm-up request failed: HTTP {resp.status}")
 
 
+def measure_level(
+    server: ServerProcess, workload: Workload, concurrency: int, force_close: bool = False
+) -> dict[str, Any]:
+    """Warm-up, the workload at `concurrency` (run_level's figures plus the CPU seconds client and
+    server used), then the server stopped: each level gets a fresh server from its caller."""
+    try:
+        asyncio.run(_warm_up(server.base_url))
+        server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
+        level = asyncio.run(run_level(server.base_url, workload, concurrency, force_close))
+        # Where the cores went during the level: both processes share the same machine.
+        level["client_cpu_s"] = round(time.process_time() - client_cpu, 2)
+        level["server_startup_s"] = round(server.startup_s or 0.0, 2)
+        if server_cpu is not None:
+            level["server_cpu_s"] = round(server.cpu_seconds() - server_cpu, 2)
+    finally:
+        code = server.stop()
+    if code != 0:
+        raise RuntimeError(f"the server exited with {code}:\n{server.log_tail()}")
+    return level
+
+
 # -- the benchmark -----------------------------------------------------------------------------
+def offline_engine_args(args, max_num_seqs: int) -> dict[str, Any]:
+    """The offline engine's args from the benchmark's flags."""
+    return {
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_kv_blocks": args.num_kv_blocks,
+        "device": args.device,
+        "dtype": args.dtype,
+    }
+
+
+def server_flags(args, max_num_seqs: int) -> list[str]:
+    """`kvscale-worker serve` flags for the same engine args, and a queue that holds the workload."""
+    flags = [
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--device", args.device,
+        "--dtype", args.dtype,
+        "--max-queued-requests", str(max(256, args.num_requests)),
+    ]  # fmt: skip
+    if args.num_kv_blocks is not None:
+        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return flags
+
+
+def describe_workload(workload: Workload, seed: int) -> dict[str, Any]:
+    from kvscale.worker.bench.throughput import _min_median_max
+
+    return {
+        "num_requests": len(workload.prompts),
+        "prompt_tokens": sum(len(p) for p in workload.prompts),
+        "output_tokens": workload.num_output_tokens,
+        "output_len_min_median_max": _min_median_max(workload.output_lens),
+        "prompt_len_min_median_max": _min_median_max([len(p) for p in workload.prompts]),
+        "seed": seed,
+    }
+
+
 def _concurrency_levels(text: str) -> list[int]:
     levels = [int(x) for x in text.split(",") if x.strip()]
     if not levels or min(levels) < 1:
@@ -332,51 +413,22 @@ def _offline(args, engine_args: dict[str, Any], workload: Workload | None, measu
 
 
 def run(args) -> dict[str, Any]:
-    from kvscale.worker.bench.throughput import _min_median_max
-
     levels = _concurrency_levels(args.concurrency)
     max_num_seqs = args.max_num_seqs or max(levels)
-    engine_args: dict[str, Any] = {
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_kv_blocks": args.num_kv_blocks,
-        "device": args.device,
-        "dtype": args.dtype,
-    }
+    engine_args = offline_engine_args(args, max_num_seqs)
 
     # Offline before any server exists and again after the last one has exited (never alongside
     # a server: they would share the cores); the ratio uses their mean, which evens out drift.
     workload, info, before = _offline(args, engine_args, None, not args.skip_offline)
 
-    flags = [
-        "--max-num-seqs", str(max_num_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--device", args.device,
-        "--dtype", args.dtype,
-        "--max-queued-requests", str(max(256, args.num_requests)),
-    ]  # fmt: skip
-    if args.num_kv_blocks is not None:
-        flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    flags = server_flags(args, max_num_seqs)
     log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="kvscale-bench-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
     def http_level(c: int, tag: str) -> dict[str, Any]:
         profile = str(log_dir / f"profile-{tag}") if args.profile_server else None
         server = start_server(args.model, flags, log_dir / f"server-{tag}.log", profile)
-        try:
-            asyncio.run(_warm_up(server.base_url))
-            server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
-            level = asyncio.run(run_level(server.base_url, workload, c))
-            # Where the cores went during the level: both processes share the same machine.
-            level["client_cpu_s"] = round(time.process_time() - client_cpu, 2)
-            level["server_startup_s"] = round(server.startup_s or 0.0, 2)
-            if server_cpu is not None:
-                level["server_cpu_s"] = round(server.cpu_seconds() - server_cpu, 2)
-        finally:
-            code = server.stop()
-        if code != 0:
-            raise RuntimeError(f"the server exited with {code}:\n{server.log_tail()}")
-        return level
+        return measure_level(server, workload, c)
 
     # A fresh server per level: none reuses the prefix cache another one filled.
     http: dict[str, Any] = {str(c): http_level(c, f"c{c}") for c in levels}
@@ -407,14 +459,7 @@ def run(args) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": args.model,
         **info,
-        "workload": {
-            "num_requests": args.num_requests,
-            "prompt_tokens": sum(len(p) for p in workload.prompts),
-            "output_tokens": workload.num_output_tokens,
-            "output_len_min_median_max": _min_median_max(workload.output_lens),
-            "prompt_len_min_median_max": _min_median_max([len(p) for p in workload.prompts]),
-            "seed": args.seed,
-        },
+        "workload": describe_workload(workload, args.seed),
         "engine_args": engine_args,
         "server_logs": str(log_dir),
         "offline": {"before": before, "after": after},
