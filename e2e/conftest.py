@@ -19,6 +19,10 @@ import runtime
 from cluster import BIN, ControlPlane, ensure_built, kubectl
 from kubernetes import client, config
 
+# As in tests/conftest.py: engines made here (a TP=1 reference) run eagerly, not compiling for tens
+# of seconds (the images have no C++ compiler, so pods run eagerly anyway: docs/engine.md).
+os.environ.setdefault("KVSCALE_ENFORCE_EAGER", "1")
+
 
 @dataclass
 class Cluster:

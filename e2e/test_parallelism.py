@@ -136,14 +136,18 @@ def test_a_group_waits_for_the_leader_worker_set_crd_then_is_rendered_as_one(ope
     # The children are applied one by one, so the Service may land a moment after the LWS.
     svc = wait_for(
         lambda: none_if_absent(client.CoreV1Api(operator.api).read_namespaced_service, name, ns),
-        timeout=60, interval=0.5, what="the Service")
+        timeout=60,
+        interval=0.5,
+        what="the Service",
+    )
     assert svc.spec.selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert f"deployment.apps/{name}" not in owned(operator, ns, name)
 
     def reported():
         cr = get_cr(operator, name, ns)
         rendered = condition(cr, "Ready").get("reason") != "LeaderWorkerSetUnavailable"
-        return cr if rendered and cr["status"].get("observedGeneration") == cr["metadata"]["generation"] else None
+        current = cr["status"].get("observedGeneration") == cr["metadata"]["generation"]
+        return cr if rendered and current else None
 
     wait_for(reported, timeout=60, interval=0.5, what="status of the rendered group")
 

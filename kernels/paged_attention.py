@@ -44,6 +44,44 @@ def paged_decode_attention(
     return torch.matmul(probs, values).transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
+def paged_decode_attention_unwritten(
+    query: torch.Tensor,  # [B, num_heads, head_dim]: one query token per sequence
+    key: torch.Tensor,  # [B, num_kv_heads, head_dim]: its own key, NOT in the cache yet
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    seq_lens: torch.Tensor,  # [B]: context including the query's own token
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    """Decode attention before the step's own K/V are written: the cached context (positions below
+    seq_len - 1) and the token's own key/value share one softmax. Pure tensor code with no side
+    effect, so that the compiled decode graph holds attention too; the cache is written after the
+    forward. Same result as write_kv_cache + paged_decode_attention, up to float rounding."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    flat = block_tables.reshape(-1)
+    keys = k_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    values = v_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    own_k = key.transpose(0, 1).unsqueeze(2)  # [KVH, B, 1, D]
+    own_v = value.transpose(0, 1).unsqueeze(2)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
+    own = (q * own_k).sum(-1, keepdim=True).float() * scale  # [KVH, B, G, 1]
+    current = seq_lens[:, None] - 1  # the query's position; its cache slot is not written yet
+    key_pos = torch.arange(max_len, device=query.device)[None, :]
+    invalid = key_pos >= current
+    if sliding_window is not None:
+        invalid = invalid | (key_pos <= current - sliding_window)
+    scores = scores.masked_fill(invalid[None, :, None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1).to(query.dtype)
+    out = torch.matmul(probs[..., :max_len], values) + probs[..., max_len:] * own_v
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
 def decode_key_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
     """[B, max_len] bool: True where a padded key position is not attended (past the sequence, or
     before its sliding window)."""

@@ -19,6 +19,7 @@ def test_compile_decision():
     assert "enforce_eager" in compile_decision(CPU, tensor_parallel=False, enforce_eager=True)
     assert "CUDA graphs" in compile_decision(torch.device("cuda"), tensor_parallel=False, enforce_eager=False)
     assert "tensor parallelism" in compile_decision(CPU, tensor_parallel=True, enforce_eager=False)
+    assert "triton" in compile_decision(CPU, False, False, attention_backend="triton")
 
 
 def test_no_compiler_means_eager():

@@ -4,12 +4,16 @@ work, so that a decode step costs its matrix products rather than ~1,400 eager o
 What compiles is `LlamaForCausalLM.forward_tokens`: embedding, norms, projections, RoPE and the MLP,
 fused by inductor into a few C++ loops around the matmuls. Attention stays an opaque op
 (attention/unified_attention.py) that reaches the step's plan through the forward context, so
-the graph depends on the number of tokens alone. Three graphs cover every step, all compiled at
-start-up (`warm_up`), never on a request's time:
+the graph depends on the number of tokens alone. Decode-only steps (every sequence one new
+token: the steady state) go further: attention runs inside the graph too
+(`LlamaForCausalLM.forward_decode`, kernels/paged_attention.py's `paged_decode_attention_unwritten`),
+with no Python between layers, and the step's keys and values are cached after it. Five graphs
+cover every step, all compiled at start-up (`warm_up`), never on a request's time:
 
-- 1 token (decode at one stream): static shapes;
-- 2..8 tokens and 9 or more: one dynamic-shape graph each (the split is Linear's small-row path,
-  layers/linear.py).
+- decode-only: 1 token (one stream), 2..8 and 9 or more tokens (dynamic shapes: batch, context);
+- steps with a longer chunk (prefill, speculative verification): 2..8 and 9 or more tokens.
+
+The 2..8 split is Linear's small-row path (layers/linear.py).
 
 After warm-up the dispatch runs with dynamo's guard checks cut to those that tell the graphs apart
 (`skip_guard_eval_unsafe`: the full checks cost ~1 ms per call on this model) and recompiling is
@@ -17,7 +21,7 @@ refused: a step no graph covers runs eagerly instead of stalling every request o
 
 Not compiled: CUDA (CUDA graphs do this job there), tensor parallelism (the collectives inside the
 graph are untested), `enforce_eager`, and machines without a C++ compiler (inductor needs one;
-the worker image has none, so pods run eager: docs/performance.md).
+the worker image has none, so pods run eager: docs/engine.md).
 """
 
 from __future__ import annotations
@@ -42,13 +46,19 @@ def inductor_cxx() -> str:
 
 
 def compile_decision(
-    device: torch.device, tensor_parallel: bool, enforce_eager: bool, cxx: str | None = None
+    device: torch.device,
+    tensor_parallel: bool,
+    enforce_eager: bool,
+    attention_backend: str = "torch",
+    cxx: str | None = None,
 ) -> str | None:
     """None when the forward should compile, else why it runs eagerly. cxx: inductor's compiler."""
     if enforce_eager:
         return "enforce_eager is set"
     if device.type != "cpu":
         return f"compiled forward is for CPUs (on {device.type}, CUDA graphs cover decode steps)"
+    if attention_backend != "torch":  # its decode path would bypass the backend being asked for
+        return f"the {attention_backend} attention backend runs eagerly"
     if tensor_parallel:
         return "not under tensor parallelism (collectives in the graph are untested)"
     cxx = cxx or inductor_cxx()
@@ -58,26 +68,36 @@ def compile_decision(
 
 
 class CompiledForward:
-    """`forward_tokens(input_ids, positions)` compiled; call `warm_up` once before serving."""
+    """`forward_tokens(input_ids, positions, decode)` compiled; call `warm_up` once before serving."""
 
     def __init__(self, forward_tokens) -> None:
         # dynamo caches graphs per function, not per model: every model of this class in the process
         # (the tests build dozens) shares forward_tokens' cache, whose default limit is 8 graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.eager = forward_tokens
-        self.compiled = torch.compile(forward_tokens, fullgraph=True, options={"cpp_wrapper": True})
+        # Inductor's own loops run on one thread: they are small elementwise and norm kernels between
+        # the matmuls, and waking a second thread for each cost more than it saved (measured).
+        self.compiled = torch.compile(
+            forward_tokens, fullgraph=True, options={"cpp_wrapper": True, "cpp.threads": 1}
+        )
         self.ready = False
         self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] > 1:  # one graph for all sizes above 1, not one per size
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, decode=None):
+        many = input_ids.shape[0] > 1
+        if many:  # one graph for all sizes above 1, not one per size
             torch._dynamo.mark_dynamic(input_ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
+        if decode is not None:  # any context length (and any batch above 1): one graph
+            torch._dynamo.mark_dynamic(decode.block_tables, 1)
+            if many:
+                torch._dynamo.mark_dynamic(decode.block_tables, 0)
+                torch._dynamo.mark_dynamic(decode.seq_lens, 0)
         if not self.ready:
-            return self.compiled(input_ids, positions)
+            return self.compiled(input_ids, positions, decode)
         try:
             with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-                return self.compiled(input_ids, positions)
+                return self.compiled(input_ids, positions, decode)
         except RuntimeError as e:
             if "recompil" not in str(e).lower():
                 raise
@@ -85,12 +105,16 @@ class CompiledForward:
             logger.warning(
                 "a step of %d tokens matched no compiled graph; it runs eagerly", input_ids.shape[0]
             )
-            return self.eager(input_ids, positions)
+            return self.eager(input_ids, positions, decode)
 
     def warm_up(self, run_tokens) -> float:
-        """Compiles every graph: run_tokens(n) runs one forward of n tokens through this. Seconds."""
+        """Compiles every graph; run_tokens(n, decode) runs one forward of n tokens through this:
+        n decodes (attention in the graph) or one chunk of n (attention as the opaque op, the path
+        of every step with a longer chunk). Returns the seconds it took."""
         start = time.perf_counter()
         for n in WARM_UP_TOKENS:
-            run_tokens(n)
+            run_tokens(n, True)
+            if n > 1:  # a 1-token chunk is a decode: no 1-token graph of the other kind is needed
+                run_tokens(n, False)
         self.ready = True
         return time.perf_counter() - start

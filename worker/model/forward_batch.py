@@ -102,8 +102,18 @@ def forward_logits(
     """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
     chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them."""
     batch = build_forward_batch(chunks, block_size, device)
-    if graphs is not None and graphs.can_run(batch.common):
-        hidden = graphs.run(batch.input_ids, batch.positions, batch.common)
+    common = batch.common
+    if graphs is not None and graphs.can_run(common):
+        hidden = graphs.run(batch.input_ids, batch.positions, common)
+    elif getattr(model, "compiled", None) is not None and common.num_decodes == len(chunks):
+        # Decode-only on the compiled CPU forward: attention inside the graph. Two block columns at
+        # least, so that no context length makes a size-1 dimension (which the graph specialises).
+        tables = common.block_tables
+        if tables.shape[1] < 2:
+            tables = torch.cat([tables, tables], dim=1)  # the padding is masked (past seq_len)
+        hidden = model.forward_decode(
+            batch.input_ids, batch.positions, kv_caches, tables, common.seq_lens, common.slot_mapping
+        )
     else:
         hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))
     return model.compute_logits(hidden[batch.last_token_rows(num_logits)])

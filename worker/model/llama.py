@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm
+from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm, write_kv_cache
+from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
 from kvscale.worker.model.attention.backend import AttentionBackend
 from kvscale.worker.model.attention.unified_attention import unified_attention
 from kvscale.worker.model.forward_context import set_forward_context
@@ -126,7 +127,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, step: StepInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention output, and this step's keys and values (for the caller to cache when
+        step.decode is set: the in-graph decode path reads the cache but does not write it)."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -134,9 +139,16 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_embedding(rope.positions, q, k, rope.cos, rope.sin)
-        out = unified_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))  # a decode output may be a strided view
+        q, k = apply_rotary_embedding(step.positions, q, k, step.cos, step.sin)
+        if step.decode is None:
+            out = unified_attention(q, k, v, self.layer_idx, self.scale, self.sliding_window)
+        else:
+            d = step.decode
+            k_cache, v_cache = d.kv_caches[self.layer_idx]
+            out = paged_decode_attention_unwritten(
+                q, k, v, k_cache, v_cache, d.block_tables, d.seq_lens, self.scale, self.sliding_window
+            )
+        return self.o_proj(out.reshape(-1, self.q_size)), k, v  # reshape: a decode output may be strided
 
 
 class MLP(nn.Module):
@@ -159,23 +171,35 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, hidden, residual, rope: RopeInputs):
+    def forward(self, hidden, residual, step: StepInputs):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope)
+        hidden, k, v = self.self_attn(hidden, step)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden), residual, (k, v)
 
 
 @dataclass
-class RopeInputs:
-    """This step's positions and the rotary tables, shared by all layers."""
+class DecodeInputs:
+    """A decode-only step's attention inputs, for attention inside the compiled graph (no opaque op,
+    no Python per layer): block tables padded to the longest sequence, context lengths, the caches."""
+
+    block_tables: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B]: tokens incl. this step's one
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class StepInputs:
+    """What every layer reads: positions, the rotary tables and, on the in-graph decode path, the
+    decode inputs (None: attention goes through the backend's opaque op)."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    decode: DecodeInputs | None = None
 
 
 class DecoderModel(nn.Module):
@@ -232,13 +256,34 @@ class LlamaForCausalLM(nn.Module):
         with set_forward_context(backend, attn_metadata, kv_caches):
             return (self.compiled or self.forward_tokens)(input_ids, positions)
 
-    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        rope = RopeInputs(positions, self.rope_cos, self.rope_sin)
-        hidden, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope)
-        hidden, _ = self.model.norm(hidden, residual)
+    def forward_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode-only step through the compiled graph with attention inside it; the step's keys
+        and values are written to the cache after it (model/compilation.py). Needs `compiled`."""
+        decode = DecodeInputs(block_tables, seq_lens, kv_caches)
+        hidden, new_kv = self.compiled(input_ids, positions, decode)
+        for (k_cache, v_cache), (k, v) in zip(kv_caches, new_kv, strict=True):
+            write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return hidden
+
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, decode: DecodeInputs | None = None
+    ):
+        """Hidden states; with `decode`, also each layer's new (keys, values), not yet cached."""
+        step = StepInputs(positions, self.rope_cos, self.rope_sin, decode)
+        hidden, residual, new_kv = self.model.embed_tokens(input_ids), None, []
+        for layer in self.model.layers:
+            hidden, residual, kv = layer(hidden, residual, step)
+            new_kv.append(kv)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden if decode is None else (hidden, new_kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary; None on tensor-parallel ranks other than 0."""

@@ -119,7 +119,7 @@ class ModelRunner:
         self._maybe_compile(args)
 
     def _maybe_compile(self, args: EngineArgs) -> None:
-        reason = compile_decision(self.device, self.tp is not None, args.enforce_eager)
+        reason = compile_decision(self.device, self.tp is not None, args.enforce_eager, self.backend.name)
         if reason is not None:
             logger.info("eager forward: %s", reason)
             return
@@ -133,14 +133,13 @@ class ModelRunner:
             return
         logger.info("compiled the forward in %.1f s", self.compile_seconds)
 
-    def _dummy_forward(self, num_tokens: int) -> None:
+    def _dummy_forward(self, num_tokens: int, decode: bool) -> None:
         """One forward of num_tokens scratch tokens into block 0 (nothing is cached before serving):
-        decodes for 2..8 tokens, one prefill chunk for more, as real steps would shape them."""
-        blocks = [0] * -(-num_tokens // self.block_size)
-        if 1 < num_tokens <= 8:
+        num_tokens decodes, or one chunk of num_tokens."""
+        if decode:
             chunks = [SeqChunk([0], 0, [0]) for _ in range(num_tokens)]
         else:
-            chunks = [SeqChunk([0] * num_tokens, 0, blocks)]
+            chunks = [SeqChunk([0] * num_tokens, 0, [0] * -(-num_tokens // self.block_size))]
         self.forward_step(chunks, [1] * len(chunks))
 
     # -- KV cache ----------------------------------------------------------------------------
