@@ -7,13 +7,15 @@ fused by inductor into a few C++ loops around the matmuls. Attention stays an op
 the graph depends on the number of tokens alone. Decode-only steps (every sequence one new
 token: the steady state) go further: attention runs inside the graph too
 (`LlamaForCausalLM.forward_decode`, kernels/paged_attention.py's `paged_decode_attention_unwritten`),
-with no Python between layers, and the step's keys and values are cached after it. Five graphs
-cover every step, all compiled at start-up (`warm_up`), never on a request's time:
+with no Python between layers, and the step's keys and values are cached after it; only when the
+sequences' lengths would make one length bucket anyway (`forward_batch.in_graph_decode`), since it
+pads every sequence to the longest. Three graphs cover every step, all compiled at start-up
+(`warm_up`), never on a request's time:
 
-- decode-only: 1 token (one stream), 2..8 and 9 or more tokens (dynamic shapes: batch, context);
-- steps with a longer chunk (prefill, speculative verification): 2..8 and 9 or more tokens.
-
-The 2..8 split is Linear's small-row path (layers/linear.py).
+- decode-only with attention in the graph: 1 token (one stream, static shapes), and 2 or more
+  (dynamic batch and context length);
+- everything else (prefill chunks, speculative verification, decodes of spread-out lengths):
+  2 or more tokens, dynamic.
 
 After warm-up the dispatch runs with dynamo's guard checks cut to those that tell the graphs apart
 (`skip_guard_eval_unsafe`: the full checks cost ~1 ms per call on this model) and recompiling is
@@ -35,7 +37,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Token counts compiled at start-up: one per graph (see the module docstring).
-WARM_UP_TOKENS = (1, 2, 9)
+WARM_UP_TOKENS = (1, 2)
 
 
 def inductor_cxx() -> str:
@@ -72,8 +74,8 @@ class CompiledForward:
 
     def __init__(self, forward_tokens) -> None:
         # dynamo caches graphs per function, not per model: every model of this class in the process
-        # (the tests build dozens) shares forward_tokens' cache, whose default limit is 8 graphs.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # (the tests build dozens, 5 graphs each) shares forward_tokens' cache, by default 8 graphs.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
         self.eager = forward_tokens
         # Inductor's own loops run on one thread: they are small elementwise and norm kernels between
         # the matmuls, and waking a second thread for each cost more than it saved (measured).
