@@ -404,6 +404,7 @@ def make_engine(path: Path, max_num_seqs: int):
         str(path), dtype="bfloat16", device=DEVICE, max_num_seqs=max_num_seqs,
         max_model_len=SIZES["max_model_len"], kv_cache_memory_bytes=8 * 2**30 if DEVICE == "cuda" else 2**26,
         attention_backend="auto" if DEVICE == "cuda" else "triton",
+        enforce_eager=False,  # graphs follow KVSCALE_CUDA_GRAPHS alone, whatever the environment's default
     )  # fmt: skip
 
 
