@@ -12,6 +12,19 @@ import torch
 import torch.nn.functional as F
 
 
+def _gather_context(query, k_cache, v_cache, block_tables):
+    """(query [KVH, B, G, D], keys and values [KVH, B, L, D]): each sequence's pages per KV head,
+    contiguous in one copy, L = max_blocks * block_size."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    flat = block_tables.reshape(-1)
+    keys = k_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    values = v_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    return q, keys, values
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim]: one query token per sequence
     k_cache: torch.Tensor,
@@ -26,15 +39,8 @@ def paged_decode_attention(
     different lengths should bucket sequences by length to bound the padding work. The mask is the
     same for every layer of a step, so the engine computes it once (`invalid`)."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads, _, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-
-    # Gather each sequence's pages per KV head: [KVH, B, L, D], contiguous in one copy.
-    flat = block_tables.reshape(-1)
-    keys = k_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
-    values = v_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    q, keys, values = _gather_context(query, k_cache, v_cache, block_tables)
+    max_len = keys.shape[2]
 
     scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, L]
     if invalid is None:
@@ -60,13 +66,8 @@ def paged_decode_attention_unwritten(
     effect, so that the compiled decode graph holds attention too; the cache is written after the
     forward. Same result as write_kv_cache + paged_decode_attention, up to float rounding."""
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads, _, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-    flat = block_tables.reshape(-1)
-    keys = k_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
-    values = v_cache.index_select(1, flat).view(num_kv_heads, num_seqs, max_len, head_dim)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # [KVH, B, G, D]
+    q, keys, values = _gather_context(query, k_cache, v_cache, block_tables)
+    max_len = keys.shape[2]
     own_k = key.transpose(0, 1).unsqueeze(2)  # [KVH, B, 1, D]
     own_v = value.transpose(0, 1).unsqueeze(2)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
