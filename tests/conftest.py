@@ -14,6 +14,14 @@ from model_fixtures import RANDOM_CONFIGS, TARGET
 os.environ.setdefault("KVSCALE_ENFORCE_EAGER", "1")
 
 
+@pytest.fixture
+def shm_before():
+    """Fails the test if it left anything in /dev/shm (a shared-memory segment, a named semaphore)."""
+    before = set(os.listdir("/dev/shm"))
+    yield before
+    assert set(os.listdir("/dev/shm")) <= before, "left behind in /dev/shm"
+
+
 @pytest.fixture(scope="session")
 def target_model() -> str:
     if not TARGET.is_dir():

@@ -72,6 +72,8 @@ def check_parity(result: dict, vocab_kv_heads: tuple[int, int]) -> None:
         assert all(len(t) == NEW_TOKENS for t in pass_two)
         assert pass_one == pass_two
     assert one["tokens"][0] == one["tokens"][1]  # the prefix-cached pass too
+    # One host: rank 1 got every step from the shared-memory ring, none over gloo.
+    assert two["shm_steps"] > 0 and not two["gloo_steps"]
     # Each rank holds its share of the KV heads: half, or all of one head replicated.
     _, kv_heads = vocab_kv_heads
     per_rank = one["kv_cache_bytes_per_rank"][0] * max(1, kv_heads // 2) // kv_heads

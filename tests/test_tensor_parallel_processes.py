@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import pytest
+from process_fixtures import descendants, wait_gone
 from server_fixtures import free_port, start_server
 
 from kvscale.worker import LLM, SamplingParams
@@ -20,29 +21,6 @@ from kvscale.worker import LLM, SamplingParams
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n"]
 NEW_TOKENS = 64
 FLAGS = ("--num-kv-blocks", "64", "--max-model-len", "512")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below pid (Linux /proc)."""
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = {int(c) for c in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo.extend(kids - found)
-            found |= kids
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def rank_pids(pid: int) -> list[int]:
@@ -66,20 +44,6 @@ def complete(base_url: str, prompt: str, max_tokens: int = NEW_TOKENS) -> str:
 def wait_exit(server, timeout: float = 30.0) -> int:
     server.proc.wait(timeout)
     return server.proc.returncode
-
-
-def wait_gone(pids, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "processes left behind"
-
-
-@pytest.fixture
-def shm_before():
-    before = set(os.listdir("/dev/shm"))
-    yield before
-    assert set(os.listdir("/dev/shm")) <= before, "left behind in /dev/shm"
 
 
 def test_two_hosts_match_tp1_and_a_killed_follower_rank_ends_both(target_model, tmp_path, shm_before):
@@ -164,4 +128,8 @@ def test_sigterm_stops_every_rank_and_exits_0(target_model, tmp_path, shm_before
         code = server.stop()
     assert code == 0, server.log()
     wait_gone(pids)
-    assert "tensor-parallel rank 1 stopped" in server.log_path.read_text()  # it left, not killed
+    log = server.log_path.read_text()
+    assert "tensor-parallel rank 1 stopped" in log  # it left, not killed
+    # ... having read its steps from rank 0's shared-memory ring (one host), none over gloo.
+    steps = re.search(r"tensor-parallel rank 1 stopped \(steps (\d+) over shared memory\)", log)
+    assert steps and int(steps[1]) >= NEW_TOKENS, log[-3000:]

@@ -60,6 +60,10 @@ def run(model: str, scenario: dict, tp: int) -> dict:
             prefix_cache_hits=stats.prefix_cache_hits,
             accepted_tokens=stats.num_accepted_tokens,
         )
+        if engine.tp_driver is not None:  # how the steps reached the other ranks
+            tp_group = engine.tp_driver.tp
+            ring = tp_group.step_ring
+            result.update(shm_steps=ring.sent if ring else 0, gloo_steps=tp_group.step_group is not None)
         return result
     finally:
         llm.engine.shutdown()

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import longout, peer, route, serve, spec, structured, throughput, tp
+from kvscale.worker.bench import broadcast, longout, peer, route, serve, spec, structured, throughput, tp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     route.add_parser(sub, [common])
     structured.add_parser(sub, [common])
     tp.add_parser(sub, [common])
+    broadcast.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

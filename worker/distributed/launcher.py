@@ -3,7 +3,8 @@
 A rank that exits while the group is up (a crash, the OOM killer, a kill -9) breaks the group: the
 monitor records the failure (group_failure(), which /health reads), stops the host's other ranks and
 calls the on_failure hooks (the server exits). Nothing else is left: children die with their parent
-(rank_worker.die_with_parent), and the step broadcast uses sockets only, nothing in /dev/shm.
+(rank_worker.die_with_parent), and the step ring rank 0 shares with them has no name (no /dev/shm
+entry): it is a memfd and eventfds handed over at spawn (shm_broadcast.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def local_ranks(tensor_parallel_size: int, nnodes: int, node_rank: int) -> list[
 class RankProcesses:
     """The ranks this process starts (rank_worker.rank_main each), and their monitor thread."""
 
-    def __init__(self, args, ranks: list[int]) -> None:
+    def __init__(self, args, ranks: list[int], step_readers: list | None = None) -> None:
         self.args, self.ranks = args, ranks
+        # Rank 0's host: each rank's end of the shared-memory step ring (ShmRingHandle), in rank order.
+        self.step_readers = step_readers or [None] * len(ranks)
         self.procs: list[multiprocessing.Process] = []
         self._ready = []
         self._stopping = False
@@ -68,11 +71,11 @@ class RankProcesses:
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         first = self.ranks[0] - self.ranks[0] % self.args.ranks_per_node
-        for rank in self.ranks:
+        for rank, step_reader in zip(self.ranks, self.step_readers, strict=True):
             receive, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=rank_main,
-                args=(self.args, rank, rank - first, os.getpid(), send, level),
+                args=(self.args, rank, rank - first, os.getpid(), send, level, step_reader),
                 name=f"kvscale-tp-rank-{rank}",
                 daemon=True,
             )
@@ -137,6 +140,8 @@ class TensorParallelDriver:
     def __init__(self, args) -> None:
         from kvscale.worker.distributed.parallel_state import init_tensor_parallel
         from kvscale.worker.distributed.rank_worker import cpu_threads_per_rank
+        from kvscale.worker.distributed.shm_broadcast import ShmRingWriter
+        from kvscale.worker.distributed.step_broadcast import ring_ranks
         from kvscale.worker.model.model_runner import resolve_device
 
         device = resolve_device(args.device)
@@ -144,14 +149,22 @@ class TensorParallelDriver:
             import torch
 
             torch.set_num_threads(cpu_threads_per_rank(args.ranks_per_node))
-        self.ranks = RankProcesses(args, local_ranks(args.tensor_parallel_size, args.nnodes, 0)[1:])
+        followers = local_ranks(args.tensor_parallel_size, args.nnodes, 0)[1:]
+        on_ring = ring_ranks(args.ranks_per_node)
+        ring = ShmRingWriter(on_ring - 1) if on_ring > 1 else None
+        self.ranks = RankProcesses(args, followers, ring.handles if ring else None)
         self.ranks.start()
         try:
+            if ring is not None:
+                ring.watch(self.ranks.pids)
             self.tp = init_tensor_parallel(
-                0, args.tensor_parallel_size, 0, device.type, args.master_addr, args.master_port
-            )
+                0, args.tensor_parallel_size, 0, device.type, args.master_addr, args.master_port,
+                on_ring, ring,
+            )  # fmt: skip
         except BaseException:
             self.ranks.stop(timeout=0)
+            if ring is not None:
+                ring.close()
             raise
 
     def ping(self) -> None:
@@ -178,4 +191,6 @@ class TensorParallelDriver:
                 logger.warning("could not tell the ranks to stop: %s", e)
                 broken = True
         self.ranks.stop(timeout=0 if broken else 10.0)  # a broken group's ranks are killed at once
+        if self.tp.step_ring is not None:
+            self.tp.step_ring.close()
         destroy_tensor_parallel()

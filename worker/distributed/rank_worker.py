@@ -32,7 +32,11 @@ def cpu_threads_per_rank(num_local_ranks: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // num_local_ranks)
 
 
-def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_level: str) -> None:
+def rank_main(
+    args, rank: int, local_rank: int, parent_pid: int, ready, log_level: str, step_reader=None
+) -> None:
+    """step_reader: this rank's end of rank 0's shared-memory step ring (a ShmRingReader, attached
+    when the process started), or None where steps come over gloo."""
     die_with_parent(parent_pid)
     from kvscale.worker.server.json_logging import configure_logging
 
@@ -44,7 +48,7 @@ def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_leve
         destroy_tensor_parallel,
         init_tensor_parallel,
     )
-    from kvscale.worker.distributed.step_broadcast import PING, STOP, broadcast_step
+    from kvscale.worker.distributed.step_broadcast import PING, STOP, broadcast_step, ring_ranks
     from kvscale.worker.model.model_runner import ModelRunner, resolve_device
 
     device = resolve_device(args.device)
@@ -52,8 +56,9 @@ def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_leve
         torch.set_num_threads(cpu_threads_per_rank(args.ranks_per_node))
     try:
         tp = init_tensor_parallel(
-            rank, args.tensor_parallel_size, local_rank, device.type, args.master_addr, args.master_port
-        )
+            rank, args.tensor_parallel_size, local_rank, device.type, args.master_addr, args.master_port,
+            ring_ranks(args.ranks_per_node), step_reader,
+        )  # fmt: skip
         runner = ModelRunner(args, tp=tp)
         ready.send(rank)
         ready.close()
@@ -65,4 +70,6 @@ def rank_main(args, rank: int, local_rank: int, parent_pid: int, ready, log_leve
         logger.error("tensor-parallel rank %d: the group broke: %s", rank, e)
         os._exit(1)
     destroy_tensor_parallel()
-    logger.info("tensor-parallel rank %d stopped", rank)
+    # The tests read how the steps came (a silent fall-back to gloo would fail them).
+    via = f"{step_reader.received} over shared memory" if step_reader is not None else "over gloo"
+    logger.info("tensor-parallel rank %d stopped (steps %s)", rank, via)
