@@ -1,7 +1,8 @@
 """The shared-memory step ring (worker/distributed/shm_broadcast.py) across real spawned processes:
 messages arrive whole and in order through a ring far smaller than the run (wrap-around, steps many
 slots long), readers sleep rather than spin, and a peer killed with SIGKILL is noticed on the other
-side without a hang, nothing left in /dev/shm."""
+side without a hang, nothing left in /dev/shm. And step_broadcast's choice of path with two "hosts"
+of two ranks: the ring for rank 0's, gloo for the other's."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 import shm_ring_peers
 from process_fixtures import alive, wait_gone
-from shm_ring_peers import BIG, message
+from shm_ring_peers import BIG, digest, message
 
 from kvscale.worker.distributed.shm_broadcast import PeerGone, ShmRingWriter, supported
+from kvscale.worker.distributed.step_broadcast import PING
 
 pytestmark = pytest.mark.skipif(not supported(), reason="needs Linux memfd, eventfd and pidfd")
 
@@ -79,3 +81,22 @@ def test_reader_exits_when_its_writer_is_killed(shm_before):
     os.kill(writer.pid, signal.SIGKILL)  # rank 0 dies; its reader has no PR_SET_PDEATHSIG here
     writer.join(10)
     wait_gone([reader_pid], timeout=10)  # the reader's poll saw rank 0's pidfd (PeerGone, exit 3)
+
+
+def test_ring_on_rank0s_host_gloo_for_the_others(shm_before):
+    """Two "hosts" of two ranks: rank 1 reads the ring, ranks 2 and 3 get the steps (and the idle
+    PING, which the ring's readers never see) over their gloo step_group."""
+    from server_fixtures import free_port
+
+    steps = [message(i) for i in (0, 1, 13)]
+    driver, results = start(shm_ring_peers.step_rank0, 4, free_port(), 2, steps, daemon=False)
+    reports = {}
+    while 0 not in reports:
+        assert results.poll(120), reports
+        rank, *report = results.recv()
+        reports[rank] = report
+    driver.join(30)
+    assert driver.exitcode == 0 and reports[0] == [[0, 0, 0]]
+    sent = [digest(s) for s in steps]
+    assert reports[1] == ["shm", sent]
+    assert reports[2] == reports[3] == ["gloo", [*sent, digest(PING)]]
