@@ -1,6 +1,7 @@
 """Tensor-parallel workers as real processes (`kvscale-worker serve`, gloo on CPU): TP = 2 across
 two "hosts" (two servers with --nnodes 2 --node-rank 0/1 on 127.0.0.1) matches TP = 1, and a killed
-rank makes the worker unhealthy and exit, with no process and nothing in /dev/shm left behind."""
+rank makes the worker unhealthy and exit (and a killed worker its rank), with no process and nothing
+in /dev/shm left behind."""
 
 from __future__ import annotations
 
@@ -133,3 +134,19 @@ def test_sigterm_stops_every_rank_and_exits_0(target_model, tmp_path, shm_before
     # ... having read its steps from rank 0's shared-memory ring (one host), none over gloo.
     steps = re.search(r"tensor-parallel rank 1 stopped \(steps (\d+) over shared memory\)", log)
     assert steps and int(steps[1]) >= NEW_TOKENS, log[-3000:]
+
+
+def test_killed_worker_takes_its_ranks_and_leaves_nothing(target_model, tmp_path, shm_before):
+    """kill -9 of rank 0's process, mid-idle: its rank dies with it and nothing is left, in /dev/shm
+    either (the step ring has no name to leave)."""
+    server = start_server(target_model, tmp_path, *FLAGS, "--tensor-parallel-size", "2",
+                          "--master-port", str(free_port()))  # fmt: skip
+    try:
+        pids = {server.proc.pid} | descendants(server.proc.pid)
+        assert len(rank_pids(server.proc.pid)) == 1
+        assert complete(server.base_url, PROMPTS[0], max_tokens=8)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert wait_exit(server) == -signal.SIGKILL
+        wait_gone(pids)  # rank 1 and multiprocessing's resource tracker too
+    finally:
+        server.stop()
