@@ -64,13 +64,26 @@ def paged_decode_attention_unwritten(
     """Decode attention before the step's own K/V are written: the cached context (positions below
     seq_len - 1) and the token's own key/value share one softmax. Pure tensor code with no side
     effect, so that the compiled decode graph holds attention too; the cache is written after the
-    forward. Same result as write_kv_cache + paged_decode_attention, up to float rounding."""
+    forward. Same result as write_kv_cache + paged_decode_attention, up to float rounding.
+
+    Under torch.compile the context is read through the block table in place: the products with
+    the indexed cache are written as broadcast multiply-and-sum, which inductor fuses into one loop
+    nest per layer that loads each key and value once, where gather + bmm first copies every
+    context (measured at 32 streams: the copies were half the step). Eagerly that form would
+    materialise [KVH, B, G, L, D] products, so eager callers get the gather + bmm form."""
     num_seqs, num_heads, head_dim = query.shape
-    q, keys, values = _gather_context(query, k_cache, v_cache, block_tables)
-    max_len = keys.shape[2]
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    if torch.compiler.is_compiling():
+        keys = k_cache[:, block_tables].view(num_kv_heads, num_seqs, 1, max_len, head_dim)
+        values = v_cache[:, block_tables].view(num_kv_heads, num_seqs, 1, max_len, head_dim)
+        scores = (q[..., None, :].float() * keys.float()).sum(-1) * scale  # [KVH, B, G, L]
+    else:
+        _, keys, values = _gather_context(query, k_cache, v_cache, block_tables)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
     own_k = key.transpose(0, 1).unsqueeze(2)  # [KVH, B, 1, D]
     own_v = value.transpose(0, 1).unsqueeze(2)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [KVH, B, G, L]
     own = (q * own_k).sum(-1, keepdim=True).float() * scale  # [KVH, B, G, 1]
     current = seq_lens[:, None] - 1  # the query's position; its cache slot is not written yet
     key_pos = torch.arange(max_len, device=query.device)[None, :]
@@ -78,8 +91,12 @@ def paged_decode_attention_unwritten(
     if sliding_window is not None:
         invalid = invalid | (key_pos <= current - sliding_window)
     scores = scores.masked_fill(invalid[None, :, None, :], float("-inf"))
-    probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1).to(query.dtype)
-    out = torch.matmul(probs[..., :max_len], values) + probs[..., max_len:] * own_v
+    probs = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
+    if torch.compiler.is_compiling():  # the casts fuse into the loads: float accumulation throughout
+        context = (probs[..., :max_len, None] * values.float()).sum(-2).to(query.dtype)  # [KVH, B, G, D]
+    else:
+        context = torch.matmul(probs[..., :max_len].to(query.dtype), values)
+    out = context + probs[..., max_len:].to(query.dtype) * own_v
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvscale.kernels import paged_decode_attention, write_kv_cache
+from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.model import compilation
 from kvscale.worker.model.compilation import CompiledForward, compile_decision
-from kvscale.worker.model.forward_batch import SeqChunk, build_forward_batch
+from kvscale.worker.model.forward_batch import (
+    MAX_DECODE_PADDING,
+    SeqChunk,
+    build_forward_batch,
+    in_graph_decode,
+)
 
 CPU = torch.device("cpu")
 
@@ -61,17 +68,22 @@ def test_every_step_shape_runs_a_graph_compiled_at_start_up(engines):
     tokens equal to the eager engine's; no step fell back to eager or compiled anything new."""
     eager, compiled = engines
     forward = compiled.engine.runner.model.compiled
-    calls = []
-    real = forward.compiled
-    forward.compiled = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    calls = []  # (tokens, attention in the graph)
+    real = {name: getattr(forward, name) for name in ("compiled_one", "compiled_many")}
+    for name, fn in real.items():
+        setattr(forward, name, lambda *a, fn=fn: calls.append((a[0].shape[0], a[2] is not None)) or fn(*a))
     try:
         for prompts in ([[0, 11, 12, 13]], [[0, *range(20 + i, 60 + i)] for i in range(8)]):
             assert generate(compiled, prompts, max_tokens=24) == generate(eager, prompts, max_tokens=24)
         prompts = [[0, *range(100 + 3 * i, 130 + 7 * i)] for i in range(20)]
         assert generate(compiled, prompts, max_tokens=16) == generate(eager, prompts, max_tokens=16)
     finally:
-        forward.compiled = real
-    assert {1, 8} <= set(calls) and max(calls) > 8
+        for name, fn in real.items():
+            setattr(forward, name, fn)
+    sizes = {n for n, _ in calls}
+    assert {1, 8} <= sizes and max(sizes) > 8
+    # Decode-only steps of one and of 8 streams ran attention inside the graph.
+    assert {(1, True), (8, True)} <= set(calls)
     assert forward.eager_fallbacks == 0
 
 
@@ -105,3 +117,50 @@ def test_a_shape_no_graph_covers_runs_eagerly_instead_of_compiling(engines, monk
         want = model(ids, positions, runner.kv_caches, runner.backend, metadata)
     assert fresh.eager_fallbacks == 1
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_compiled_decode_attention_reads_the_paged_cache_like_the_eager_kernel(sliding_window):
+    """The compiled form of paged_decode_attention_unwritten (broadcast products over the indexed
+    cache, no gather) against writing the token's K/V and running the eager paged kernel: GQA,
+    lengths spread over many blocks (the padding reads block 0), scattered block tables."""
+    torch.manual_seed(0)
+    kv_heads, heads, dim, block, num_blocks = 2, 6, 16, 16, 64
+    lens = [1, 17, 33, 90, 200]
+    k_cache = torch.randn(kv_heads, num_blocks, block, dim)
+    v_cache = torch.randn(kv_heads, num_blocks, block, dim)
+    width = -(-max(lens) // block)
+    perm = torch.randperm(num_blocks - 1) + 1  # block 0 is the padding
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    seq_lens = torch.tensor(lens)
+    q, k, v = (
+        torch.randn(len(lens), heads, dim),
+        torch.randn(len(lens), kv_heads, dim),
+        torch.randn(len(lens), kv_heads, dim),
+    )
+    compiled = torch.compile(paged_decode_attention_unwritten, fullgraph=True, dynamic=True)
+    got = compiled(q, k, v, k_cache, v_cache, tables, seq_lens, dim**-0.5, sliding_window)
+    positions = seq_lens - 1
+    slots = tables.gather(1, (positions // block)[:, None]).squeeze(1) * block + positions % block
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    want = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, sliding_window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_steps_take_the_graph_attention_unless_padding_would_cost_too_much():
+    def common(lens, prefill=False):
+        chunks = [SeqChunk([1], n - 1, list(range(-(-n // 16)))) for n in lens]
+        if prefill:
+            chunks.append(SeqChunk([1, 2, 3], 0, [0]))
+        return build_forward_batch(chunks, 16, CPU).common
+
+    assert in_graph_decode(common([300]))
+    assert in_graph_decode(common([100, 200, 400, 800]))  # 4 x 50 blocks for 97 real: 2.1x
+    wide = [32] * 15 + [32 * 16 * int(MAX_DECODE_PADDING)]  # 16 x 64 blocks for 94 real: 10.9x
+    assert not in_graph_decode(common(wide))
+    assert not in_graph_decode(common([300, 300], prefill=True))  # a prefill chunk: the backend's op
