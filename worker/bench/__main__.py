@@ -7,7 +7,18 @@ import json
 import logging
 import sys
 
-from kvscale.worker.bench import broadcast, longout, peer, route, serve, spec, structured, throughput, tp
+from kvscale.worker.bench import (
+    broadcast,
+    longout,
+    peer,
+    route,
+    serve,
+    spec,
+    steps,
+    structured,
+    throughput,
+    tp,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     structured.add_parser(sub, [common])
     tp.add_parser(sub, [common])
     broadcast.add_parser(sub, [common])
+    steps.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
