@@ -94,14 +94,14 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
 MAX_DECODE_PADDING = 4.0
 
 
-def in_graph_decode(common: CommonAttentionMetadata, max_padding: float = MAX_DECODE_PADDING) -> bool:
+def in_graph_decode(common: CommonAttentionMetadata) -> bool:
     """Whether a decode-only step takes the compiled graph's own decode attention rather than the
-    backend's length buckets: when padding every sequence to the longest costs at most max_padding
-    times the real work (in blocks)."""
+    backend's length buckets: when padding every sequence to the longest costs at most
+    MAX_DECODE_PADDING times the real work (in blocks)."""
     if common.num_decodes != common.seq_lens.shape[0]:
         return False
     blocks = -(-common.seq_lens // common.block_size)
-    return int(blocks.max()) * blocks.shape[0] <= max_padding * int(blocks.sum())
+    return int(blocks.max()) * blocks.shape[0] <= MAX_DECODE_PADDING * int(blocks.sum())
 
 
 def forward_logits(
