@@ -14,9 +14,10 @@ all on the GPU at hand. Prints one JSON object.
 3. End to end: a ~1B-parameter Llama-shaped model with random weights (bf16, safetensors, built in a
    temporary folder: nothing is downloaded), batch 64 greedy decode, our engine against
    transformers `generate` on the same GPU and weights. Goal: >= 3x.
-4. Decode steps: on the same model, the engine's decode step time (median of the timed
-   `engine.step()` calls once the prefill is done) at batch 1 and 64, CUDA graphs on and off, and
-   the ratio off / on per batch. The engine has no asynchronous scheduling; the section says so.
+4. Decode steps: on the same model, the engine's decode step time (median of the
+   `engine.step()` calls once the prefill is done) at batch 1 and 64: CUDA graphs on, CUDA graphs
+   off, and CUDA graphs on with async scheduling (the host's part of a step hidden behind the
+   device's), with the ratios graphs off / on and async off / on per batch.
 """
 
 from __future__ import annotations
@@ -396,12 +397,13 @@ def hf_generate(path: Path, prompts: torch.Tensor, new_tokens: int) -> tuple[flo
     return elapsed, out[:, prompts.shape[1] :].tolist()
 
 
-def make_engine(path: Path, max_num_seqs: int):
+def make_engine(path: Path, max_num_seqs: int, async_scheduling: bool = False):
     """Our engine on the model folder, as every model section runs it."""
     from kvscale.worker import LLM
 
     return LLM(
         str(path), dtype="bfloat16", device=DEVICE, max_num_seqs=max_num_seqs,
+        async_scheduling=async_scheduling,
         max_model_len=SIZES["max_model_len"], kv_cache_memory_bytes=8 * 2**30 if DEVICE == "cuda" else 2**26,
         attention_backend="auto" if DEVICE == "cuda" else "triton",
         enforce_eager=False,  # graphs follow KVSCALE_CUDA_GRAPHS alone, whatever the environment's default
@@ -520,16 +522,6 @@ def free_memory() -> None:
 
 
 # -- 4. decode steps ------------------------------------------------------------------------------
-ASYNC_SCHEDULING = {
-    "available": False,
-    "reason": (
-        "the engine has no asynchronous (overlapped) scheduling: LLMEngine.step schedules, runs the "
-        "forward, samples and updates the requests in turn, so the host's part of a step is not hidden "
-        "behind the GPU's; there is nothing to switch on and time"
-    ),
-}
-
-
 @contextlib.contextmanager
 def cuda_graphs_env(enabled: bool) -> Iterator[None]:
     """KVSCALE_CUDA_GRAPHS for an engine made inside (the runner reads it once, when it is made;
@@ -546,14 +538,17 @@ def cuda_graphs_env(enabled: bool) -> Iterator[None]:
             os.environ[name] = before
 
 
-def time_decode_steps(path: Path, prompts: torch.Tensor, new_tokens: int, cuda_graphs: bool) -> dict:
-    """Greedy decode of the whole batch; each engine.step() after the prefill timed on its own,
-    bracketed by synchronizes."""
+def time_decode_steps(
+    path: Path, prompts: torch.Tensor, new_tokens: int, cuda_graphs: bool, async_scheduling: bool = False
+) -> dict:
+    """Greedy decode of the whole batch; each engine.step() after the prefill timed on its own. No
+    synchronize between steps: each step waits for its tokens on the host anyway (under async
+    scheduling, the previous step's), and one would undo the overlap async scheduling makes."""
     from kvscale.worker import SamplingParams
 
     batch = prompts.shape[0]
     with cuda_graphs_env(cuda_graphs):
-        llm = make_engine(path, batch)
+        llm = make_engine(path, batch, async_scheduling)
     token_lists = prompts.tolist()
     # Warm-up at this batch size: compiles the eager path's kernels for its shapes.
     llm.generate(token_lists, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -579,15 +574,17 @@ def time_decode_steps(path: Path, prompts: torch.Tensor, new_tokens: int, cuda_g
         decoding.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
         prefill_steps += 1
     replays = 0
+    async_steps = engine.num_async_steps
     step_ms: list[float] = []
     tokens: list[int] = []  # per timed step: the tokens it produced (batch, in a whole-batch decode)
+    synchronize()
     while engine.has_unfinished_requests():
-        synchronize()
         start = time.perf_counter()
         outputs = engine.step()
-        synchronize()
         step_ms.append((time.perf_counter() - start) * 1e3)
         tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs))
+    synchronize()
+    async_steps = engine.num_async_steps - async_steps
     failed = engine.take_failed()
     if failed:
         raise next(iter(failed.values()))
@@ -598,12 +595,27 @@ def time_decode_steps(path: Path, prompts: torch.Tensor, new_tokens: int, cuda_g
     free_memory()
     return {
         "cuda_graphs_requested": cuda_graphs, **info, "graph_replays": replays,
+        "async_scheduling": async_scheduling, "async_steps": async_steps,
         "prefill_steps": prefill_steps, "timed_steps": len(step_ms),
         "whole_batch_steps": all(n == batch for n in tokens),
         "median_step_ms": statistics.median(step_ms), "mean_step_ms": statistics.mean(step_ms),
         "min_step_ms": min(step_ms), "max_step_ms": max(step_ms),
         "tokens_per_s": sum(tokens) / (sum(step_ms) / 1e3),  # over the timed steps
     }  # fmt: skip
+
+
+# (run name, CUDA graphs, async scheduling) of each batch's decode-step runs.
+DECODE_STEP_RUNS = (
+    ("cuda_graphs_on", True, False),
+    ("cuda_graphs_off", False, False),
+    ("cuda_graphs_on_async_scheduling", True, True),
+)
+
+
+def launched_steps(run: dict) -> int:
+    """Timed steps that ran a forward: under async scheduling the last one only takes the outputs
+    of the step before it (launched, with the first decode, by the last untimed step)."""
+    return run["timed_steps"] - (1 if run["async_scheduling"] else 0)
 
 
 def decode_steps() -> dict:
@@ -614,25 +626,28 @@ def decode_steps() -> dict:
     for batch in s["step_batches"]:
         prompts = make_prompts(batch, prompt_len, model_info["vocab_size"])
         row = {}
-        for on in (True, False):
-            log(f"decode steps: batch {batch}, CUDA graphs {'on' if on else 'off'}")
-            row["cuda_graphs_on" if on else "cuda_graphs_off"] = time_decode_steps(
-                path, prompts, new_tokens, on
-            )
-        # Above 1: graphs make the step faster. Compares eager with eager when graphs did not run.
-        row["graphs_off_over_on"] = (
-            row["cuda_graphs_off"]["median_step_ms"] / row["cuda_graphs_on"]["median_step_ms"]
-        )
+        for name, graphs, overlap in DECODE_STEP_RUNS:
+            log(f"decode steps: batch {batch}, {name}")
+            row[name] = time_decode_steps(path, prompts, new_tokens, graphs, overlap)
+        ms = {name: run["median_step_ms"] for name, run in row.items()}
+        # Above 1: graphs (async scheduling) make the step faster. Compares eager with eager when
+        # graphs did not run.
+        row["graphs_off_over_on"] = ms["cuda_graphs_off"] / ms["cuda_graphs_on"]
+        row["async_off_over_on"] = ms["cuda_graphs_on"] / ms["cuda_graphs_on_async_scheduling"]
         batches[str(batch)] = row
     # Graphs ran: every timed step of each graphs-on run replayed one, and no graphs-off run had any.
     graphs_ran = all(
-        b["cuda_graphs_on"]["graph_replays"] == b["cuda_graphs_on"]["timed_steps"] > 0
-        and not b["cuda_graphs_off"]["cuda_graphs"]
+        b[on]["graph_replays"] == launched_steps(b[on]) > 0 and not b["cuda_graphs_off"]["cuda_graphs"]
         for b in batches.values()
+        for on in ("cuda_graphs_on", "cuda_graphs_on_async_scheduling")
     )
+    # Async scheduling ran: every timed step of its runs but the last (which launches nothing) was
+    # launched ahead of its predecessor's tokens.
+    runs = [(b["cuda_graphs_on_async_scheduling"], b["cuda_graphs_on"]) for b in batches.values()]
+    async_ran = all(a["async_steps"] >= a["timed_steps"] - 1 and s["async_steps"] == 0 for a, s in runs)
     result = {
         "model": model_info, "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches,
-        "graphs_ran": graphs_ran, "async_scheduling": ASYNC_SCHEDULING,
+        "graphs_ran": graphs_ran, "async_scheduling_ran": async_ran,
     }  # fmt: skip
     if not graphs_ran:
         result["note"] = (

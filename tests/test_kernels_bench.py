@@ -20,8 +20,9 @@ from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 RUN_KEYS = {
     "cuda_graphs_requested", "attention_backend", "cuda_graphs", "graph_replays", "prefill_steps",
     "timed_steps", "whole_batch_steps", "median_step_ms", "mean_step_ms", "min_step_ms", "max_step_ms",
-    "tokens_per_s",
+    "tokens_per_s", "async_scheduling", "async_steps",
 }  # fmt: skip
+RUNS = {name: (graphs, overlap) for name, graphs, overlap in bench.DECODE_STEP_RUNS}
 
 
 @pytest.fixture
@@ -38,19 +39,32 @@ def run_bench(monkeypatch, capsys):
 
 
 def check_decode_steps(section: dict, batches: list[int]) -> None:
-    assert set(section) >= {"model", "prompt_len", "new_tokens", "batches", "graphs_ran", "async_scheduling"}
-    assert section["async_scheduling"]["available"] is False and section["async_scheduling"]["reason"]
+    assert set(section) >= {
+        "model",
+        "prompt_len",
+        "new_tokens",
+        "batches",
+        "graphs_ran",
+        "async_scheduling_ran",
+    }
     assert list(section["batches"]) == [str(b) for b in batches]
     for batch in section["batches"].values():
-        assert set(batch) == {"cuda_graphs_on", "cuda_graphs_off", "graphs_off_over_on"}
-        on, off = batch["cuda_graphs_on"], batch["cuda_graphs_off"]
-        for run, requested in ((on, True), (off, False)):
+        assert set(batch) == {*RUNS, "graphs_off_over_on", "async_off_over_on"}
+        for name, (graphs, overlap) in RUNS.items():
+            run = batch[name]
             assert set(run) == RUN_KEYS
-            assert run["cuda_graphs_requested"] is requested
+            assert run["cuda_graphs_requested"] is graphs and run["async_scheduling"] is overlap
             # Every token after the first comes from a timed whole-batch decode step.
             assert run["timed_steps"] == section["new_tokens"] - 1 and run["whole_batch_steps"]
             assert run["median_step_ms"] > 0 and run["tokens_per_s"] > 0
-        assert batch["graphs_off_over_on"] == pytest.approx(off["median_step_ms"] / on["median_step_ms"])
+            # Async scheduling: every timed step but the last launched the next one ahead.
+            assert run["async_steps"] == (run["timed_steps"] - 1 if overlap else 0)
+        ms = {name: batch[name]["median_step_ms"] for name in RUNS}
+        assert batch["graphs_off_over_on"] == pytest.approx(ms["cuda_graphs_off"] / ms["cuda_graphs_on"])
+        assert batch["async_off_over_on"] == pytest.approx(
+            ms["cuda_graphs_on"] / ms["cuda_graphs_on_async_scheduling"]
+        )
+    assert section["async_scheduling_ran"] is True
 
 
 def test_smoke_runs_every_section_and_says_graphs_did_not_run(run_bench):
@@ -65,8 +79,8 @@ def test_smoke_runs_every_section_and_says_graphs_did_not_run(run_bench):
     check_decode_steps(section, list(bench.SMOKE_SIZES["step_batches"]))
     # No CUDA here: no run may claim graphs, and the section says its ratios are eager against eager.
     for batch in section["batches"].values():
-        for run in (batch["cuda_graphs_on"], batch["cuda_graphs_off"]):
-            assert run["cuda_graphs"] is False and run["graph_replays"] == 0
+        for name in RUNS:
+            assert batch[name]["cuda_graphs"] is False and batch[name]["graph_replays"] == 0
     assert section["graphs_ran"] is False and "note" in section
 
 
@@ -95,6 +109,9 @@ def test_decode_steps_switches_graphs_per_engine_and_counts_replays(run_bench, m
     check_decode_steps(section, [2])
     on, off = section["batches"]["2"]["cuda_graphs_on"], section["batches"]["2"]["cuda_graphs_off"]
     assert on["cuda_graphs"] is True and on["graph_replays"] == on["timed_steps"]
+    overlapped = section["batches"]["2"]["cuda_graphs_on_async_scheduling"]
+    # The last timed step of an async run launches nothing: it takes the step before's outputs.
+    assert overlapped["cuda_graphs"] is True and overlapped["graph_replays"] == overlapped["timed_steps"] - 1
     assert off["cuda_graphs"] is False and off["graph_replays"] == 0
     assert section["graphs_ran"] is True and "note" not in section
     assert "KVSCALE_CUDA_GRAPHS" not in os.environ

@@ -415,14 +415,14 @@ def test_a_request_whose_step_raises_fails_alone(target_model, faulty_detokenize
 def test_a_step_that_raises_as_a_whole_fails_its_batch_and_the_engine_goes_on(target_model, monkeypatch):
     """The forward or the sampler raising: the requests in that step fail, later ones are served;
     only MAX_CONSECUTIVE_FAILED_STEPS failed steps in a row kill the engine."""
-    real = ModelRunner.execute_model
+    real = ModelRunner.launch
 
-    def execute_model(self, scheduled):
+    def launch(self, scheduled):
         if any(r.sampling_params.seed == FAULTY_SEED for r in scheduled.requests):
             raise RuntimeError("injected sampler fault")
         return real(self, scheduled)
 
-    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(ModelRunner, "launch", launch)
     with in_process_server(target_model, num_kv_blocks=64) as (base_url, llm):
         c = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
         for _ in range(MAX_CONSECUTIVE_FAILED_STEPS + 1):  # apart, never consecutive: never dead
@@ -458,7 +458,7 @@ def test_only_consecutive_failed_steps_kill_the_engine(target_model, monkeypatch
         raise RuntimeError("injected device fault")
 
     llm = LLM(target_model, num_kv_blocks=64)
-    monkeypatch.setattr(ModelRunner, "execute_model", broken)
+    monkeypatch.setattr(ModelRunner, "launch", broken)
     engine = llm.engine
     for i in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
         engine.add_request(PROMPT, SamplingParams(max_tokens=4), request_id=f"r{i}")
@@ -659,14 +659,14 @@ def test_health_fails_while_the_engine_thread_is_stuck_and_recovers(target_model
     """A step that never returns (a hung kernel, a deadlock) leaves the process serving HTTP; only
     /health turning red lets the kubelet's liveness probe restart the pod."""
     release = threading.Event()
-    real = ModelRunner.execute_model
+    real = ModelRunner.launch
 
-    def execute_model(self, scheduled):
+    def launch(self, scheduled):
         if any(r.sampling_params.seed == FAULTY_SEED for r in scheduled.requests):
             release.wait(120)
         return real(self, scheduled)
 
-    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(ModelRunner, "launch", launch)
     config = ServerConfig(engine_iteration_timeout=1.0)
     with in_process_server(target_model, server_config=config, num_kv_blocks=64) as (base_url, llm):
         assert raw(base_url, "/health")[0] == 200
@@ -752,15 +752,15 @@ def test_shutdown_gives_up_on_a_stuck_engine_thread(target_model, monkeypatch):
     """SIGTERM on a worker whose engine thread hangs still exits (after the drain), instead of
     waiting for the kubelet's SIGKILL at the end of the grace period."""
     release, entered = threading.Event(), threading.Event()
-    real = ModelRunner.execute_model
+    real = ModelRunner.launch
 
-    def execute_model(self, scheduled):
+    def launch(self, scheduled):
         if any(r.sampling_params.seed == FAULTY_SEED for r in scheduled.requests):
             entered.set()
             release.wait(120)
         return real(self, scheduled)
 
-    monkeypatch.setattr(ModelRunner, "execute_model", execute_model)
+    monkeypatch.setattr(ModelRunner, "launch", launch)
 
     threads: list[threading.Thread] = []
 

@@ -41,6 +41,10 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | torch | triton
     # Always run the model eagerly: no torch.compile on CPU, no CUDA graphs (model/compilation.py).
     enforce_eager: bool = field(default_factory=enforce_eager_default)
+    # Schedule and launch each step before the previous one's tokens reach the host, so the host's
+    # work hides behind the device's (vLLM's --async-scheduling; docs/engine.md). For GPUs: on a
+    # CPU the forward holds the cores itself and nothing overlaps.
+    async_scheduling: bool = False
     # Speculative decoding (docs/speculative.md): a draft model or n-gram prompt lookup proposes up to
     # num_speculative_tokens per step; the target verifies them all in one forward.
     speculative_method: str | None = None  # draft | ngram; a draft_model alone implies draft

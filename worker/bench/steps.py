@@ -4,7 +4,7 @@ in the same run (issue 19).
     python -m kvscale.worker.bench steps --model ../shared/models/tiny-code-target --json
 
 For each mode (compiled, eager) one engine is built; for each case, a batch of SeqChunks is run
-through `ModelRunner.forward_step` (inputs, forward, logits: what execute_model does before
+through `ModelRunner.forward_step` (inputs, forward, logits: what ModelRunner.launch does before
 sampling) --iters times after a warm-up, and the median is reported, with the path the step took:
 `graph` (attention inside the compiled graph), `backend_op` (the compiled graph around the
 backend's attention op: length buckets, per-sequence prefill) or `eager`.

@@ -64,8 +64,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V sit in the cache. The newest sampled token is never computed yet.
+    # Tokens whose K/V sit in the cache. The newest sampled token is never computed yet. Under
+    # async scheduling it counts the tokens of steps launched but not yet processed too.
     num_computed_tokens: int = 0
+    # Async scheduling: tokens sampled on the device by a launched step and not yet appended here
+    # (0 or 1 between steps). The next step already feeds them in, from the device.
+    num_pending_tokens: int = 0
     # Chained SHA-256 hashes of the full blocks of all_token_ids (block_pool.hash_block_tokens),
     # extended lazily by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)

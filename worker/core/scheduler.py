@@ -30,9 +30,11 @@ class SchedulerConfig:
 
 @dataclass
 class SchedulerOutput:
-    # Aligned lists: request i computes num_scheduled_tokens[i] tokens starting at its num_computed_tokens.
+    # Aligned lists: request i computes num_scheduled_tokens[i] tokens starting at position
+    # num_computed_tokens[i] (its num_computed_tokens when scheduled).
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     # Speculative decoding, filled after scheduling: tokens proposed per request (included in
@@ -45,6 +47,9 @@ class SchedulerOutput:
     # With speculation: one row per verified position of the speculating requests, in the
     # rejection sampler's order (None when none of them is constrained).
     verify_bitmask: object | None = None
+    # Async scheduling: scheduled before the previous step's tokens were known. Its requests'
+    # num_computed_tokens already count this step, and a token still pending is fed from the device.
+    async_scheduled: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -127,15 +132,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- the step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, async_scheduled: bool = False) -> SchedulerOutput:
+        """The next step. async_scheduled: the previous step may still be running (its sampled tokens
+        pending): each request is advanced past the tokens scheduled now, at once, so that the next
+        call can be made before this step's outputs are processed (update_from_output)."""
+        out = SchedulerOutput(async_scheduled=async_scheduled)
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._pending_is_last(request):  # nothing left to compute: it finishes on that token
+                i += 1
+                continue
+            num_left = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+            num_new = min(num_left, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -182,11 +194,24 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        if async_scheduled:
+            for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+                request.num_computed_tokens += n
         return out
+
+    def _pending_is_last(self, request: Request) -> bool:
+        """Its pending token will be its last (max_tokens or the model length): known before the
+        token is, so async scheduling never schedules a step past a request's end."""
+        pending = request.num_pending_tokens
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.config.max_model_len
+        )
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.requests.append(request)
         out.num_scheduled_tokens.append(num_new)
+        out.num_computed_tokens.append(request.num_computed_tokens)
         out.block_ids.append(self.kv.get_block_ids(request.request_id))
         out.spec_token_ids.append([])
         out.spec_draft_probs.append(None)
@@ -231,12 +256,15 @@ class Scheduler:
             logprobs,
             strict=True,
         ):
-            if request.is_finished:  # aborted between schedule and update
+            if request.is_finished:  # aborted (or stopped, under async scheduling) since scheduled
                 continue
-            # Proposed tokens after the first rejection were computed but are not the sequence's:
-            # their slots are overwritten by the next step's tokens.
-            num_rejected = len(drafts) - (len(new_ids) - 1) if drafts else 0
-            request.num_computed_tokens += num_tokens - num_rejected
+            if out.async_scheduled:  # advanced when scheduled; its sampled token is pending until now
+                request.num_pending_tokens -= len(new_ids)
+            else:
+                # Proposed tokens after the first rejection were computed but are not the sequence's:
+                # their slots are overwritten by the next step's tokens.
+                num_rejected = len(drafts) - (len(new_ids) - 1) if drafts else 0
+                request.num_computed_tokens += num_tokens - num_rejected
             if not new_ids:
                 continue  # a prefill chunk that does not reach the end of the prompt
             for j, token_id in enumerate(new_ids):
@@ -245,7 +273,9 @@ class Scheduler:
                 if request.structured_output is not None:
                     status = self._advance_grammar(request, token_id) or status
                 if status is not None:
-                    self.running.remove(request)
+                    # Running, or (async scheduling) preempted while its token was pending.
+                    queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+                    queue.remove(request)
                     self._finish(request, status)
                     break
             if not request.is_finished:

@@ -49,7 +49,9 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    pending: RequestOutputAccumulator | None = None  # deltas not yet taken, merged
+    # Deltas not yet taken: the one delta itself, or several merged (a client that fell behind).
+    # Most steps find the previous delta taken, and hand theirs over as it is.
+    pending: RequestOutput | RequestOutputAccumulator | None = None
     error: BaseException | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -189,8 +191,9 @@ class AsyncLLM:
                 stream.event.clear()
                 if stream.error is not None:
                     raise stream.error
-                assert stream.pending is not None
-                out, stream.pending = stream.pending.get(), None
+                pending, stream.pending = stream.pending, None
+                assert pending is not None
+                out = pending if isinstance(pending, RequestOutput) else pending.get()
                 finished = out.finished
                 yield out
         finally:
@@ -207,7 +210,13 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:  # gone: the client left and its abort is on the way
                 continue
-            stream.pending = add_delta(stream.pending, out)
+            pending = stream.pending
+            if pending is None:
+                stream.pending = out
+            elif isinstance(pending, RequestOutput):  # the client is behind: merge from now on
+                stream.pending = add_delta(RequestOutputAccumulator(pending), out)
+            else:
+                pending.add(out)
             stream.event.set()
 
     def _fail_one(self, request_id: str, error: BaseException) -> None:

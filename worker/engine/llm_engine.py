@@ -22,14 +22,14 @@ import torch
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request, RequestStatus
-from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig
+from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.llama import DecoderSpec
 from kvscale.worker.model.loader import load_config, load_generation_defaults, load_tokenizer
-from kvscale.worker.model.model_runner import ModelRunner
+from kvscale.worker.model.model_runner import LaunchedStep, ModelRunner
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
@@ -62,6 +62,15 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
         elif value:
             ids.update(value)
     return frozenset(ids)
+
+
+def needs_sync_steps(request: Request) -> bool:
+    """The request's next step cannot be prepared before its last token reaches the host: its
+    grammar's mask, or its penalties' token counts, depend on that token."""
+    params = request.sampling_params
+    return request.structured_output is not None or (
+        params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+    )
 
 
 def _finished_stats(request: Request) -> FinishedRequestStats:
@@ -137,6 +146,16 @@ class LLMEngine:
         self._seen_prefix = (0, 0)
         self._failed: dict[str, RequestFailedError] = {}
         self._consecutive_failed_steps = 0
+        # Async scheduling (docs/engine.md): the step launched and not yet processed, and how many
+        # steps were launched with one in flight. Not with speculation (proposals need the last
+        # token on the host) nor tensor parallelism (the ranks get the step's tokens from the host).
+        self._async_scheduling = (
+            args.async_scheduling and self.spec_decoder is None and self.tp_driver is None
+        )
+        if args.async_scheduling and not self._async_scheduling:
+            logger.warning("async scheduling is off: not with speculative decoding or tensor parallelism")
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.num_async_steps = 0
         # Made with the first constrained request (the grammar library reads the whole vocabulary).
         self._structured_output: StructuredOutputManager | None = None
         self._structured_output_lock = threading.Lock()
@@ -289,7 +308,8 @@ class LLMEngine:
                 self._child_to_parent.pop(child.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a launched step whose outputs are still to be processed."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -297,9 +317,22 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        """One step: schedule, run the forward, sample, and return what the requests gained.
+
+        With async scheduling (vLLM's), the next step is scheduled and launched before this one's
+        tokens reach the host, which then processes them (stop checks, detokenizing, outputs) while
+        the device runs the next forward: each call returns the outputs of the step launched by the
+        call before. A request that stops on a token costs one wasted token of a step already
+        launched. Steps that need every token on the host first (grammars, penalties) drain the
+        step in flight and run synchronously."""
+        async_scheduled = self._can_schedule_async()
+        if self._in_flight is not None and not async_scheduled:
+            return self._take_in_flight()
+        scheduled = self.scheduler.schedule(async_scheduled)
         self._fail_grammar_failures()
         if scheduled.is_empty():
+            if self._in_flight is not None:
+                return self._take_in_flight()
             self._wait_for_grammars()
             return []
         try:
@@ -308,7 +341,51 @@ class LLMEngine:
             if self._structured_output is not None:
                 self._constrain_proposals(scheduled)
                 self._fill_grammar_bitmask(scheduled)
-            result = self.runner.execute_model(scheduled)
+            launched = self.runner.launch(scheduled)
+        except Exception as e:
+            self._step_failed(scheduled, e)
+            return self._take_in_flight() if self._in_flight is not None else []
+        if not async_scheduled:
+            return self._finish_step(scheduled, launched)
+        for i in launched.plain:
+            scheduled.requests[i].num_pending_tokens += 1
+        if self._in_flight is not None:
+            self.num_async_steps += 1
+            outputs = self._take_in_flight()
+        else:
+            outputs = []
+        self._in_flight = (scheduled, launched)
+        return outputs
+
+    def _can_schedule_async(self) -> bool:
+        """Async scheduling is on and no request needs its last token on the host to be scheduled."""
+        return self._async_scheduling and not any(
+            needs_sync_steps(r) for r in self.scheduler.requests.values()
+        )
+
+    def _take_in_flight(self) -> list[RequestOutput]:
+        assert self._in_flight is not None
+        (scheduled, launched), self._in_flight = self._in_flight, None
+        return self._finish_step(scheduled, launched)
+
+    def _step_failed(self, scheduled: SchedulerOutput, error: Exception) -> None:
+        """Fail the step's requests (the engine goes on), or raise when the engine itself is broken."""
+        if isinstance(error, TensorParallelError):  # a rank is gone: no later step can succeed
+            from kvscale.worker.distributed.launcher import record_group_failure
+
+            record_group_failure(str(error))
+            raise error
+        self._consecutive_failed_steps += 1
+        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise error
+        logger.error("step failed: failing the %d requests in it", len(scheduled.requests), exc_info=error)
+        for request in scheduled.requests:
+            self._fail(self._child_to_parent.get(request.request_id), error)
+
+    def _finish_step(self, scheduled: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, update its requests and make their outputs."""
+        try:
+            result = launched.get()
             masks = [m for m in (scheduled.grammar_bitmask, scheduled.verify_bitmask) if m is not None]
             if masks:
                 self._stats.grammar_mask_times.append(sum(m.seconds for m in masks))
@@ -317,18 +394,8 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(
                 scheduled, result.sampled_token_ids, logprobs=result.logprobs
             )
-        except TensorParallelError as e:  # a rank is gone: no later step can succeed
-            from kvscale.worker.distributed.launcher import record_group_failure
-
-            record_group_failure(str(e))
-            raise
         except Exception as e:
-            self._consecutive_failed_steps += 1
-            if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-                raise
-            logger.exception("step failed: failing the %d requests in it", len(scheduled.requests))
-            for request in scheduled.requests:
-                self._fail(self._child_to_parent.get(request.request_id), e)
+            self._step_failed(scheduled, e)
             return []
         self._consecutive_failed_steps = 0
         touched: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}

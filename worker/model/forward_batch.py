@@ -89,6 +89,11 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
     )
 
 
+# Async scheduling: (indices of the chunks whose last token is a placeholder, the real tokens on
+# the device, in the same order). The placeholders are overwritten on the device before the forward.
+TokenFill = tuple[list[int], torch.Tensor]
+
+
 # In-graph decode attention computes every sequence over the longest one's blocks (the padding
 # reads block 0, in cache, again): taken while that is at most this many times the real work.
 MAX_DECODE_PADDING = 4.0
@@ -113,10 +118,17 @@ def forward_logits(
     block_size: int,
     device: torch.device,
     graphs=None,
+    token_fill: TokenFill | None = None,
 ) -> torch.Tensor:
     """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
     chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them."""
     batch = build_forward_batch(chunks, block_size, device)
+    if token_fill is not None:
+        filled, tokens = token_fill
+        last = [0] * len(chunks)
+        for i in filled:  # ascending, as last_token_rows lists them
+            last[i] = 1
+        batch.input_ids[batch.last_token_rows(last)] = tokens
     common = batch.common
     if graphs is not None and graphs.can_run(common):
         hidden = graphs.run(batch.input_ids, batch.positions, common)

@@ -7,7 +7,7 @@ prefill chunk, or a decode's token followed by its proposed tokens, verified in 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 from kvscale.worker.model.attention.selector import get_attention_backend
 from kvscale.worker.model.compilation import CompiledForward, compile_decision
 from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
-from kvscale.worker.model.forward_batch import SeqChunk, forward_logits
+from kvscale.worker.model.forward_batch import SeqChunk, TokenFill, forward_logits
 from kvscale.worker.model.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -68,6 +68,38 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None]
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device (ModelRunner.launch)."""
+
+    num_requests: int
+    plain: list[int]  # requests that sampled one token, in the order of plain_tokens
+    spec: list[int]  # requests whose proposals were verified, in the order of spec_token_ids
+    plain_tokens: torch.Tensor | None = None  # on the host once `ready` has fired
+    ready: torch.cuda.Event | None = None  # the copy of plain_tokens to the host (CUDA only)
+    plain_logprobs: list[TokenLogprobs | None] | None = None
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+    spec_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+
+    def get(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens (the host's only wait on the device per step)."""
+        sampled: list[list[int]] = [[] for _ in range(self.num_requests)]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * self.num_requests
+        if self.plain:
+            if self.ready is not None:
+                self.ready.synchronize()
+            assert self.plain_tokens is not None
+            lps = self.plain_logprobs
+            for k, (i, token_id) in enumerate(zip(self.plain, self.plain_tokens.tolist(), strict=True)):
+                sampled[i] = [token_id]
+                if lps is not None and lps[k] is not None:
+                    logprobs[i] = [lps[k]]
+        for k, i in enumerate(self.spec):
+            sampled[i] = self.spec_token_ids[k]
+            logprobs[i] = self.spec_logprobs[k]
+        return ModelRunnerOutput(sampled, logprobs)
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, load_draft=None, tp=None) -> None:
         """load_draft(device, dtype, max_model_len, vocab_size), when given, loads a draft model whose
@@ -90,6 +122,10 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # Output token counts for penalties, kept on the device and updated with new tokens only.
         self.penalty_state = PenaltyState(self.spec.vocab_size, self.device)
+        # Async scheduling: the last launch's sampled tokens, on the device, and each request's row
+        # in them; the next launch feeds them in (launch).
+        self._last_sampled_tokens: torch.Tensor | None = None
+        self._last_sampled_rows: dict[str, int] = {}
         self.draft = (
             load_draft(self.device, self.dtype, self.max_model_len, self.spec.vocab_size)
             if load_draft
@@ -198,42 +234,61 @@ class ModelRunner:
         return int(peak * 1.1)
 
     # -- one step ----------------------------------------------------------------------------
-    def forward(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor:
+    def forward(
+        self, chunks: list[SeqChunk], num_logits: list[int], token_fill: TokenFill | None = None
+    ) -> torch.Tensor:
         """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk. On rank 0 of a
-        tensor-parallel group the other ranks get the same inputs first and run the same forward."""
+        tensor-parallel group the other ranks get the same inputs first and run the same forward
+        (never with a token_fill: async scheduling is off under tensor parallelism)."""
         if self.tp is not None:
+            assert token_fill is None, "the ranks have no device copy of the pending tokens"
             broadcast_step(self.tp, (chunks, num_logits))
-        return self.forward_step(chunks, num_logits)
+        return self.forward_step(chunks, num_logits, token_fill)
 
-    def forward_step(self, chunks: list[SeqChunk], num_logits: list[int]) -> torch.Tensor | None:
+    def forward_step(
+        self, chunks: list[SeqChunk], num_logits: list[int], token_fill: TokenFill | None = None
+    ) -> torch.Tensor | None:
         """This rank's share of one forward (None: logits live on rank 0)."""
         return forward_logits(
             self.model, self.backend, self.kv_caches, chunks, num_logits, self.block_size, self.device,
-            self.cuda_graphs,
+            self.cuda_graphs, token_fill,
         )  # fmt: skip
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward and sampling on the device; the tokens come from get(). A step
+        scheduled asynchronously feeds each request's pending token from the previous launch's
+        sampled tokens, which never leave the device for it."""
         chunks, num_logits = [], []
         plain: list[int] = []  # requests that sample one token
         spec: list[int] = []  # requests whose proposals are verified
+        fill_chunks: list[int] = []  # chunks whose last token is pending (async scheduling)
+        fill_rows: list[int] = []  # ... and its row in the previous launch's sampled tokens
         for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
             drafts = out.spec_token_ids[i]
-            start = request.num_computed_tokens
+            start = out.num_computed_tokens[i]
             end = start + n - len(drafts)  # known tokens end here; proposals follow
-            chunks.append(SeqChunk(request.all_token_ids[start:end] + drafts, start, out.block_ids[i]))
+            tokens = request.all_token_ids[start:end]
+            if len(tokens) < end - start:  # the one pending token (async scheduling)
+                fill_chunks.append(i)
+                fill_rows.append(self._last_sampled_rows[request.request_id])
+                tokens.append(0)
+            chunks.append(SeqChunk(tokens + drafts, start, out.block_ids[i]))
             if drafts:
                 spec.append(i)
                 num_logits.append(1 + len(drafts))
-            elif end == request.num_tokens:
+            elif end == request.num_tokens + request.num_pending_tokens:
                 plain.append(i)
                 num_logits.append(1)
             else:
                 num_logits.append(0)  # a prefill chunk that does not reach the end of the prompt
-        logits = self.forward(chunks, num_logits)
+        token_fill = None
+        if fill_chunks:
+            rows = torch.tensor(fill_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            token_fill = (fill_chunks, self._last_sampled_tokens[rows])
+        logits = self.forward(chunks, num_logits, token_fill)
 
-        sampled: list[list[int]] = [[] for _ in out.requests]
-        logprobs: list[list[TokenLogprobs] | None] = [None for _ in out.requests]
+        step = LaunchedStep(len(out.requests), plain, spec)
         # Logit rows come chunk after chunk; split them between the two samplers.
         offsets = np.concatenate([[0], np.cumsum(num_logits)])
         if plain:
@@ -247,10 +302,17 @@ class ModelRunner:
                 ),
                 mask_logits=grammar.masker(plain) if grammar is not None else None,
             )
-            for k, (i, token_id) in enumerate(zip(plain, result.sampled_token_ids.tolist(), strict=True)):
-                sampled[i] = [token_id]
-                if result.logprobs is not None and result.logprobs[k] is not None:
-                    logprobs[i] = [result.logprobs[k]]
+            step.plain_logprobs = result.logprobs
+            sampled = result.sampled_token_ids
+            if out.async_scheduled:  # the next step reads them from here
+                self._last_sampled_tokens = sampled
+                self._last_sampled_rows = {r.request_id: k for k, r in enumerate(requests)}
+            if self.device.type == "cuda":  # copied while the host goes on; get() waits for it
+                step.plain_tokens = sampled.to("cpu", non_blocking=True)
+                step.ready = torch.cuda.Event()
+                step.ready.record()
+            else:
+                step.plain_tokens = sampled
         if spec:
             rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec]))
             verify_rows = [
@@ -261,7 +323,5 @@ class ModelRunner:
                 logits[rows.to(self.device)], verify_rows, self.spec.vocab_size, self.penalty_state,
                 mask_logits=verify_mask.masker(list(range(len(rows)))) if verify_mask is not None else None,
             )  # fmt: skip
-            for k, i in enumerate(spec):
-                sampled[i] = verified.token_ids[k]
-                logprobs[i] = verified.logprobs[k]
-        return ModelRunnerOutput(sampled, logprobs)
+            step.spec_token_ids, step.spec_logprobs = verified.token_ids, verified.logprobs
+        return step

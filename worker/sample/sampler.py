@@ -88,7 +88,9 @@ class SamplingMetadata:
             presence.append(params.presence_penalty)
             frequency.append(params.frequency_penalty)
             repetition.append(params.repetition_penalty)
-            num_output = req.num_output_tokens + (len(extra[i]) if extra is not None else 0)
+            # Tokens a launched step sampled and the host has not seen yet count too (async scheduling).
+            num_output = req.num_output_tokens + req.num_pending_tokens
+            num_output += len(extra[i]) if extra is not None else 0
             if not greedy and req.seed is not None:
                 # The row samples output position num_output (later for a proposed position).
                 noise_seeds[i] = noise_seed(req.seed, num_output)

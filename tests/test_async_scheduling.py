@@ -1,0 +1,134 @@
+"""Async scheduling (LLMEngine.step, docs/engine.md): each step is scheduled and launched before the
+previous one's tokens reach the host, its pending tokens fed in from the device. On a CPU nothing
+overlaps, but every piece of the bookkeeping runs: these tests check that it changes no token, no
+stop and no finish reason against the synchronous engine, that steps really were launched ahead,
+and that a request stopped or aborted with a step in flight gives all its KV blocks back."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscale.worker import LLM, SamplingParams
+
+ENGINE = dict(num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)
+PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\n",
+    "class Stack:\n    def __init__(self):",
+    "# sort a list of numbers\n",
+    "SELECT name FROM users WHERE",
+    "for i in range(10):",
+]
+
+
+@pytest.fixture(scope="module")
+def engines(target_model):
+    return LLM(target_model, **ENGINE), LLM(target_model, async_scheduling=True, **ENGINE)
+
+
+def summary(outputs) -> list[list[tuple]]:
+    return [
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs) for c in out.outputs]
+        for out in outputs
+    ]
+
+
+def generate_both(engines, prompts, params) -> tuple[list, list]:
+    sync, overlapped = engines
+    before = overlapped.engine.num_async_steps
+    want, got = sync.generate(prompts, params), overlapped.generate(prompts, params)
+    assert overlapped.engine.num_async_steps > before, "no step was launched ahead of its predecessor"
+    assert sync.engine.num_async_steps == 0
+    return summary(want), summary(got)
+
+
+def test_greedy_tokens_and_finish_reasons_are_unchanged(engines):
+    # Different lengths, so requests finish (on max_tokens) while others' steps are in flight.
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 7 * i) for i in range(len(PROMPTS))]
+    want, got = generate_both(engines, PROMPTS, params)
+    assert got == want
+
+
+def test_a_stop_on_a_token_in_flight_drops_the_step_after_it(engines):
+    sync, _ = engines
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    reference = sync.generate(PROMPTS, free)
+    # Stop each request on its 6th token (an id) or on text from the middle of its output: the step
+    # after the stop is already launched when the host sees it, and its token must not appear.
+    params = []
+    for i, out in enumerate(reference):
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        if i % 2:
+            params.append(SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ids[5]]))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=24, stop=[text[len(text) // 2 :][:4]]))
+    want, got = generate_both(engines, PROMPTS, params)
+    assert got == want
+    assert all(out[0][2] == "stop" for out in got)
+
+
+def test_seeded_sampling_min_tokens_n_and_logprobs_are_unchanged(engines):
+    # Seeded noise is a function of the output position: a pending token must count in it.
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, n=2, min_tokens=4, logprobs=2)
+    want, got = generate_both(engines, PROMPTS[:3], params)
+    assert got == want
+
+
+def test_chunked_prefill_and_preemption_are_unchanged(target_model):
+    # A pool too small for every request at once (preemptions) and prompts split into chunks.
+    small = dict(num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=32)
+    prompts = [p * 4 for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    sync, overlapped = LLM(target_model, **small), LLM(target_model, async_scheduling=True, **small)
+    want, got = summary(sync.generate(prompts, params)), summary(overlapped.generate(prompts, params))
+    assert got == want
+    assert overlapped.engine.scheduler.num_preemptions > 0, "the test must preempt"
+    assert overlapped.engine.num_async_steps > 0
+    assert overlapped.engine.kv_cache_manager.usage() == 0.0
+
+
+def test_penalties_drain_the_step_in_flight_and_run_synchronously(engines):
+    # A penalised request needs every token on the host to count it: while it runs, steps are
+    # synchronous; the others' outputs stay the same.
+    params = [SamplingParams(temperature=0.0, max_tokens=16) for _ in PROMPTS]
+    params[2] = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5)
+    want, got = generate_both(engines, PROMPTS, params)
+    assert got == want
+
+
+def test_an_abort_with_a_step_in_flight_frees_every_block(engines):
+    _, overlapped = engines
+    engine = overlapped.engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None, "a step must be in flight when the abort comes"
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():  # the step in flight is processed: nothing comes of it
+        assert engine.step() == []
+    assert engine.kv_cache_manager.usage() == 0.0
+    assert all(r.num_pending_tokens == 0 for r in engine.scheduler.requests.values())
+
+
+def test_max_tokens_is_known_before_the_token_no_step_runs_past_it(engines, monkeypatch):
+    # max_tokens=1: the prefill samples the only token, and scheduling ahead must not add a decode
+    # step for it (nor a KV slot past the request's end).
+    launches = {}
+    for llm in engines:
+        runner = llm.engine.runner
+        launch = runner.launch
+
+        def counted(out, runner=runner, launch=launch):
+            launches[runner] = launches.get(runner, 0) + 1
+            return launch(out)
+
+        monkeypatch.setattr(runner, "launch", counted)
+    sync, overlapped = engines
+    for llm in engines:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1))
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+    assert launches[overlapped.engine.runner] == launches[sync.engine.runner] == 1
+    want, got = generate_both(engines, PROMPTS, SamplingParams(temperature=0.0, max_tokens=3))
+    assert got == want and all(len(out[0][0]) == 3 for out in got)
+    assert launches[overlapped.engine.runner] == launches[sync.engine.runner] == 1 + 3
