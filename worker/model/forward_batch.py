@@ -35,12 +35,20 @@ class ForwardBatch:
 
     def last_token_rows(self, num_last: list[int]) -> torch.Tensor:
         """Flat indices of the last num_last[i] tokens of chunk i, chunk by chunk in the caller's
-        order (the rows whose logits a sampler or verifier needs)."""
+        order (the rows whose logits a sampler or verifier needs). Vectorised: it runs every step."""
         row_of = np.empty(len(self.order), dtype=np.int64)
         row_of[self.order] = np.arange(len(self.order))
         ends = self.query_start_loc[1:][row_of]
-        index = [e - n + j for e, n in zip(ends.tolist(), num_last, strict=True) for j in range(n)]
-        return torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+        num = np.asarray(num_last, dtype=np.int64)
+        starts = np.repeat(ends - num, num)  # per wanted row: where its chunk's wanted tokens start
+        within = np.arange(starts.shape[0]) - np.repeat(np.cumsum(num) - num, num)
+        return torch.from_numpy(starts + within).to(self.input_ids.device)
+
+    def all_rows_in_order(self, num_last: list[int]) -> bool:
+        """Whether last_token_rows would be every flat row, in order (a decode-only step whose rows
+        kept the caller's order, e.g. one stream): the hidden states need no indexing."""
+        n = len(self.order)
+        return self.input_ids.shape[0] == n and num_last.count(1) == n and self.order == list(range(n))
 
 
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardBatch:
@@ -105,7 +113,7 @@ def in_graph_decode(common: CommonAttentionMetadata) -> bool:
     MAX_DECODE_PADDING times the real work (in blocks)."""
     if common.num_decodes != common.seq_lens.shape[0]:
         return False
-    blocks = -(-common.seq_lens // common.block_size)
+    blocks = -(-common.seq_lens.numpy() // common.block_size)  # numpy: a few µs, every step
     return int(blocks.max()) * blocks.shape[0] <= MAX_DECODE_PADDING * int(blocks.sum())
 
 
@@ -143,4 +151,6 @@ def forward_logits(
         )
     else:
         hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))
-    return model.compute_logits(hidden[batch.last_token_rows(num_logits)])
+    if not batch.all_rows_in_order(num_logits):
+        hidden = hidden[batch.last_token_rows(num_logits)]
+    return model.compute_logits(hidden)

@@ -31,7 +31,7 @@ from kvscale.worker.model.kv_cache import (
 from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
-from kvscale.worker.sample.sampler import PenaltyState, Sampler, SamplingMetadata
+from kvscale.worker.sample.sampler import PenaltyState, Sampler, SamplingMetadata, plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -295,15 +295,19 @@ class ModelRunner:
             rows = torch.from_numpy(offsets[plain]).to(self.device)
             requests = [out.requests[i] for i in plain]
             grammar = out.grammar_bitmask
-            result = self.sampler(
-                logits[rows],
-                SamplingMetadata.from_requests(
-                    requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
-                ),
-                mask_logits=grammar.masker(plain) if grammar is not None else None,
-            )
-            step.plain_logprobs = result.logprobs
-            sampled = result.sampled_token_ids
+            plain_logits = logits if len(plain) == logits.shape[0] else logits[rows]
+            if grammar is None and all(plain_greedy(r) for r in requests):
+                sampled = plain_logits.argmax(dim=-1)  # what the sampler would do, without its set-up
+            else:
+                result = self.sampler(
+                    plain_logits,
+                    SamplingMetadata.from_requests(
+                        requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
+                    ),
+                    mask_logits=grammar.masker(plain) if grammar is not None else None,
+                )
+                step.plain_logprobs = result.logprobs
+                sampled = result.sampled_token_ids
             if out.async_scheduled:  # the next step reads them from here
                 self._last_sampled_tokens = sampled
                 self._last_sampled_rows = {r.request_id: k for k, r in enumerate(requests)}

@@ -145,6 +145,21 @@ class SamplingMetadata:
         )
 
 
+def plain_greedy(request: Request) -> bool:
+    """The request's next token is the argmax of its logits, untouched: greedy, no logprobs, no
+    penalties, no min_tokens ban in force. A step of such rows needs none of the sampler's set-up
+    (the common case of a greedy stream; grammars are the caller's to check)."""
+    params = request.sampling_params
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens
+    )
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
