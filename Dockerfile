@@ -103,15 +103,21 @@ CMD []
 # the path (`/models/...`) or a PVC (`pvc://CLAIM/SUBPATH`, mounted read-only at /models/CLAIM).
 FROM base AS worker
 
-# A C compiler and Python's headers stay in the runtime image: on a CUDA device Triton (installed
-# with torch) compiles its launcher stub (triton/backends/nvidia/driver.c, which includes
-# Python.h) with `gcc` the first time it loads, at run time (triton/runtime/build.py). On CPU
-# nothing compiles. python:3.11-slim carries Python.h already; a Debian python base gets it from
-# python3-dev. Debian's package versions are not pinned: bookworm's security updates replace
-# them and a pinned version would disappear from the mirror.
+# A C and a C++ compiler and Python's headers stay in the runtime image, because both devices
+# compile at run time:
+# - on CPU, the forward runs through torch.compile (inductor, C++ wrapper: worker/model/
+#   compilation.py), which writes C++ against Python.h and torch's headers (in the wheel) and builds
+#   it with `g++ -fopenmp` (libgomp comes with gcc) when the worker starts. Without g++ the worker
+#   runs its eager forward, 2-3x slower a step (docs/engine.md, "The compiled CPU forward");
+# - on a CUDA device, Triton (installed with torch) compiles its launcher stub
+#   (triton/backends/nvidia/driver.c, which includes Python.h) with `gcc` the first time it loads
+#   (triton/runtime/build.py).
+# python:3.11-slim carries Python.h already; a Debian python base gets it from python3-dev.
+# Debian's package versions are not pinned: bookworm's security updates replace them and a pinned
+# version would disappear from the mirror.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
     && if [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then \
         apt-get install -y --no-install-recommends python3-dev; fi \
     && rm -rf /var/lib/apt/lists/*
@@ -125,10 +131,13 @@ RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[wor
     && pip check
 
 # Every cache goes under /tmp (an emptyDir in the pods; the root filesystem is read-only there).
+# TORCHINDUCTOR_CACHE_DIR: inductor's compiled forward (its default, /tmp/torchinductor_USER, named
+# by the user); a volume mounted there keeps the compile across restarts.
 ENV HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
     XDG_CACHE_HOME=/tmp/.cache \
-    TRITON_CACHE_DIR=/tmp/triton
+    TRITON_CACHE_DIR=/tmp/triton \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
 
 # The OpenAI-compatible API, /health, /ready and /metrics.
 EXPOSE 8000

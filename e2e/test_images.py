@@ -12,10 +12,13 @@ import urllib.request
 
 import pytest
 from model_fixtures import TARGET
+from test_parallelism import tp1_greedy
 
 pytestmark = pytest.mark.slow
 
-LOCKED_DOWN = ["--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,size=256m", "--cap-drop", "ALL"]
+# /tmp as a pod's emptyDir is: writable and not noexec (docker's --tmpfs is noexec unless told `exec`;
+# the worker loads the forward inductor compiles from there).
+LOCKED_DOWN = ["--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,exec,size=256m", "--cap-drop", "ALL"]
 IDENTITY = (
     "import os, pathlib; print(os.getuid(), os.getgid());"
     "p = pathlib.Path('/opt/kvscale/x');"
@@ -67,7 +70,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_worker_image_serves_completions_on_the_fixture_model(images):
+def test_worker_image_compiles_its_forward_and_serves_completions_on_the_fixture_model(images):
+    """The image's default on CPU: g++ is there, so the worker compiles its forward before /ready
+    (the `ready` log line's compile_s; None when it runs eagerly) and answers with the eager
+    reference's tokens."""
     if not TARGET.is_dir():
         pytest.skip(f"{TARGET} is missing")
     rt, built = images
@@ -83,7 +89,7 @@ def test_worker_image_serves_completions_on_the_fixture_model(images):
     assert result.returncode == 0, result.stderr
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # a cold compile took ~55 s on 2 idle cores
         while True:
             try:
                 with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
@@ -102,7 +108,8 @@ def test_worker_image_serves_completions_on_the_fixture_model(images):
         )
         with urllib.request.urlopen(request, timeout=60) as r:
             answer = json.loads(r.read())
-        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+        assert answer["usage"]["completion_tokens"] == 8
+        assert answer["choices"][0]["text"] == tp1_greedy("def fibonacci(n):", 8)
 
         result = rt.docker("exec", name, "python", "-c", IDENTITY, capture=True)
         assert result.stdout.split("\n")[:2] == ["1000 1000", "rootfs Read-only file system"], result
@@ -114,6 +121,21 @@ def test_worker_image_serves_completions_on_the_fixture_model(images):
         rt.docker("rm", "--force", name, capture=True)
     assert stop.returncode == 0
     assert "Traceback" not in logs.stderr, logs.stderr[-3000:]
+    (ready,) = [json.loads(line) for line in logs.stderr.splitlines() if '"msg": "ready"' in line]
+    assert isinstance(ready["compile_s"], float) and ready["compile_s"] > 0, logs.stderr[-3000:]
+    assert "compiled the forward in" in logs.stderr and "eager forward" not in logs.stderr
+
+    # docker's default --tmpfs (noexec) could not load what inductor builds: the worker says so and
+    # runs eagerly, deciding before it spends a minute compiling.
+    check = (
+        "import torch; from kvscale.worker.model.compilation import compile_decision;"
+        "print(compile_decision(torch.device('cpu'), False, False))"
+    )
+    noexec = [a.replace(",exec", "") for a in LOCKED_DOWN]
+    result = rt.docker(
+        "run", "--rm", "--network=none", *noexec, "--entrypoint", "python", image, "-c", check, capture=True
+    )
+    assert "/tmp/torchinductor is on a noexec mount" in result.stdout, result
 
 
 def test_router_image_starts_without_torch_and_answers_its_probes(images):

@@ -126,6 +126,10 @@ def example(name: str, namespace: str, **spec_overrides) -> dict:
     doc["metadata"] = {"name": name, "namespace": namespace}
     doc["spec"]["model"]["uri"] = f"pvc://{MODELS_CLAIM}/{TARGET.name}"  # the fixture model, from its PV
     doc["spec"]["resources"] = dict(WORKER_RESOURCES)
+    # Eager workers, as tests/conftest.py makes its engines: compiling the forward (the image's
+    # default on CPU) costs a cold pod at 500m ~115 s before Ready, against ~8 s eager, and the suite
+    # starts dozens of pods. e2e/test_compiled_forward.py runs the default in a pod.
+    doc["spec"]["env"] = [{"name": "KVSCALE_ENFORCE_EAGER", "value": "1"}]
     for key, value in spec_overrides.items():
         doc["spec"][key] = value
     return doc

@@ -3,6 +3,9 @@ start-up only, and that it changes no token. The engine-vs-transformers tests ru
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,6 +35,19 @@ def test_compile_decision():
 def test_no_compiler_means_eager():
     reason = compile_decision(CPU, tensor_parallel=False, enforce_eager=False, cxx="no-such-c++-compiler")
     assert "no C++ compiler" in reason
+
+
+def test_a_cache_directory_inductor_cannot_load_from_means_eager(tmp_path, monkeypatch):
+    assert compile_decision(CPU, False, False, cache_dir=str(tmp_path / "cache")) is None
+    assert (tmp_path / "cache").is_dir()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    reason = compile_decision(CPU, False, False, cache_dir=str(blocked / "cache"))
+    assert "cannot be made" in reason
+    # docker's --tmpfs is noexec unless told otherwise: the built libraries would not load
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=statvfs(p).f_flag | os.ST_NOEXEC))
+    assert "noexec" in compile_decision(CPU, False, False, cache_dir=str(tmp_path / "cache"))
 
 
 def test_enforce_eager_default_reads_the_environment(monkeypatch):

@@ -23,13 +23,15 @@ After warm-up the dispatch runs with dynamo's guard checks cut to those that tel
 refused: a step no graph covers runs eagerly instead of stalling every request on a compile.
 
 Not compiled: CUDA (CUDA graphs do this job there), tensor parallelism (the collectives inside the
-graph are untested), `enforce_eager`, and machines without a C++ compiler (inductor needs one;
-the worker image has none, so pods run eager: docs/engine.md).
+graph are untested), `enforce_eager`, machines without a C++ compiler (inductor needs one; the worker
+image has g++ for it), and a cache directory where inductor cannot write or load the libraries it
+builds (e.g. docker's `--tmpfs /tmp` without `exec`): docs/engine.md.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 
@@ -48,14 +50,38 @@ def inductor_cxx() -> str:
     return torch._inductor.config.cpp.cxx[1] or "g++"
 
 
+def cache_dir_problem(cache_dir: str | None = None) -> str | None:
+    """Why inductor's cache directory (default: its own choice) cannot hold the compiled forward, or
+    None. Inductor loads the libraries it builds from there, so it must be writable and not noexec;
+    checked up front, a minute of compiling is not wasted on a dlopen that fails."""
+    if cache_dir is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        return f"inductor's cache directory {cache_dir} cannot be made ({e.strerror})"
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        return f"inductor's cache directory {cache_dir} is not writable"
+    if os.statvfs(cache_dir).f_flag & os.ST_NOEXEC:
+        return (
+            f"inductor's cache directory {cache_dir} is on a noexec mount (docker: --tmpfs /tmp:exec, "
+            "or TORCHINDUCTOR_CACHE_DIR elsewhere)"
+        )
+    return None
+
+
 def compile_decision(
     device: torch.device,
     tensor_parallel: bool,
     enforce_eager: bool,
     attention_backend: str = "torch",
     cxx: str | None = None,
+    cache_dir: str | None = None,
 ) -> str | None:
-    """None when the forward should compile, else why it runs eagerly. cxx: inductor's compiler."""
+    """None when the forward should compile, else why it runs eagerly. cxx: inductor's compiler;
+    cache_dir: its cache directory."""
     if enforce_eager:
         return "enforce_eager is set"
     if device.type != "cpu":
@@ -67,7 +93,7 @@ def compile_decision(
     cxx = cxx or inductor_cxx()
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} not on PATH): inductor needs one"
-    return None
+    return cache_dir_problem(cache_dir)
 
 
 class CompiledForward:
