@@ -20,7 +20,7 @@ from cluster import BIN, ControlPlane, ensure_built, kubectl
 from kubernetes import client, config
 
 # As in tests/conftest.py: engines made here (a TP=1 reference) run eagerly, not compiling for tens
-# of seconds. Pods get the same through test_operator.example (e2e/test_compiled_forward.py and
+# of seconds. Pods get the same through test_operator.example (e2e/test_worker_compile.py and
 # e2e/test_images.py run the image's default, the compiled forward).
 os.environ.setdefault("KVSCALE_ENFORCE_EAGER", "1")
 

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
@@ -128,7 +129,7 @@ def example(name: str, namespace: str, **spec_overrides) -> dict:
     doc["spec"]["resources"] = dict(WORKER_RESOURCES)
     # Eager workers, as tests/conftest.py makes its engines: compiling the forward (the image's
     # default on CPU) costs a cold pod at 500m ~115 s before Ready, against ~8 s eager, and the suite
-    # starts dozens of pods. e2e/test_compiled_forward.py runs the default in a pod.
+    # starts dozens of pods. e2e/test_worker_compile.py runs the default in a pod.
     doc["spec"]["env"] = [{"name": "KVSCALE_ENFORCE_EAGER", "value": "1"}]
     for key, value in spec_overrides.items():
         doc["spec"][key] = value
@@ -206,6 +207,24 @@ def complete(address: str, served_name: str) -> dict:
     )
     with urllib.request.urlopen(request, timeout=30) as r:
         return json.loads(r.read())
+
+
+def complete_when_routed(address: str, served_name: str, timeout: float = 60.0) -> dict:
+    """complete() through a Service whose pods just turned Ready: kube-proxy programs the Service's
+    rules after the EndpointSlice lists them (one sync, ~1 s, longer on a busy node), and until then
+    the ClusterIP refuses connections. Only a refused or reset connection is retried."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return complete(address, served_name)
+        except urllib.error.URLError as e:
+            reason = getattr(e, "reason", e)
+            if not isinstance(reason, ConnectionError) or time.monotonic() > deadline:
+                raise
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize(
@@ -472,8 +491,10 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
         assert pod.status.container_statuses[0].ready and pod.status.container_statuses[0].started
     service = core.read_namespaced_service("tiny", namespace)
     assert ipaddress.ip_address(service.spec.cluster_ip) in ipaddress.ip_network(SERVICE_CIDR)
+    address = f"{service.spec.cluster_ip}:{service.spec.ports[0].port}"
+    complete_when_routed(address, "tiny")
     for _ in range(4):  # through kube-proxy's rules, to either worker
-        answer = complete(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "tiny")
+        answer = complete(address, "tiny")
         assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
     printed = operator.kubectl("get", "infd", "tiny", "-n", namespace).stdout
     assert "2/2" in printed and "AllWorkersReady" in printed

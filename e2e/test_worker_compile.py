@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 from test_operator import (  # noqa: F401 (fixtures)
     apply,
-    complete,
+    complete_when_routed,
     example,
     explain,
     namespace,
@@ -45,6 +45,6 @@ def test_a_worker_pod_compiles_its_forward_by_default(operator, namespace):  # n
     assert "eager forward" not in logs and "torch.compile failed" not in logs, logs
 
     service = core.read_namespaced_service("compiled", namespace)
-    answer = complete(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "compiled")
+    answer = complete_when_routed(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "compiled")
     assert answer["usage"]["completion_tokens"] == 8
     assert answer["choices"][0]["text"] == tp1_greedy("def fibonacci(n):", 8)
