@@ -67,10 +67,7 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
 def needs_sync_steps(request: Request) -> bool:
     """The request's next step cannot be prepared before its last token reaches the host: its
     grammar's mask, or its penalties' token counts, depend on that token."""
-    params = request.sampling_params
-    return request.structured_output is not None or (
-        params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
-    )
+    return request.structured_output is not None or request.sampling_params.has_penalties
 
 
 def _finished_stats(request: Request) -> FinishedRequestStats:

@@ -153,9 +153,7 @@ def plain_greedy(request: Request) -> bool:
     return (
         params.is_greedy
         and params.logprobs is None
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.repetition_penalty == 1.0
+        and not params.has_penalties
         and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens
     )
 
@@ -213,7 +211,7 @@ class PenaltyState:
         new_tokens: list[int] = []
         for req in requests:
             p = req.sampling_params
-            if p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0:
+            if not p.has_penalties:
                 rows.append(0)
                 continue
             tracked = self._tracked.get(id(req))
