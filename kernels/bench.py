@@ -644,7 +644,7 @@ def decode_steps() -> dict:
     # Async scheduling ran: every timed step of its runs but the last (which launches nothing) was
     # launched ahead of its predecessor's tokens.
     runs = [(b["cuda_graphs_on_async_scheduling"], b["cuda_graphs_on"]) for b in batches.values()]
-    async_ran = all(a["async_steps"] >= a["timed_steps"] - 1 and s["async_steps"] == 0 for a, s in runs)
+    async_ran = all(a["async_steps"] >= launched_steps(a) and s["async_steps"] == 0 for a, s in runs)
     result = {
         "model": model_info, "prompt_len": prompt_len, "new_tokens": new_tokens, "batches": batches,
         "graphs_ran": graphs_ran, "async_scheduling_ran": async_ran,

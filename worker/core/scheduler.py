@@ -202,10 +202,14 @@ class Scheduler:
     def _pending_is_last(self, request: Request) -> bool:
         """Its pending token will be its last (max_tokens or the model length): known before the
         token is, so async scheduling never schedules a step past a request's end."""
-        pending = request.num_pending_tokens
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.config.max_model_len
+        return request.num_pending_tokens > 0 and self._length_capped(request, request.num_pending_tokens)
+
+    def _length_capped(self, request: Request, ahead: int = 0) -> bool:
+        """The request has max_tokens output tokens, or fills the model length, counting `ahead`
+        tokens beyond those it holds."""
+        return (
+            request.num_output_tokens + ahead >= request.max_tokens
+            or request.num_tokens + ahead >= self.config.max_model_len
         )
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
@@ -306,7 +310,7 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if self._length_capped(request):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

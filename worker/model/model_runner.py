@@ -292,10 +292,11 @@ class ModelRunner:
         # Logit rows come chunk after chunk; split them between the two samplers.
         offsets = np.concatenate([[0], np.cumsum(num_logits)])
         if plain:
-            rows = torch.from_numpy(offsets[plain]).to(self.device)
             requests = [out.requests[i] for i in plain]
             grammar = out.grammar_bitmask
-            plain_logits = logits if len(plain) == logits.shape[0] else logits[rows]
+            plain_logits = logits  # every logit row is a plain one, in order, unless others share the step
+            if len(plain) != logits.shape[0]:
+                plain_logits = logits[torch.from_numpy(offsets[plain]).to(self.device)]
             if grammar is None and all(plain_greedy(r) for r in requests):
                 sampled = plain_logits.argmax(dim=-1)  # what the sampler would do, without its set-up
             else:
