@@ -132,3 +132,31 @@ def test_max_tokens_is_known_before_the_token_no_step_runs_past_it(engines, monk
     want, got = generate_both(engines, PROMPTS, SamplingParams(temperature=0.0, max_tokens=3))
     assert got == want and all(len(out[0][0]) == 3 for out in got)
     assert launches[overlapped.engine.runner] == launches[sync.engine.runner] == 1 + 3
+
+
+def test_the_server_streams_the_same_text_and_a_client_leaving_mid_stream_frees_its_blocks(
+    engines, target_model
+):
+    # The real app and the openai client, async scheduling on: the stream's text is the synchronous
+    # engine's, and a client that closes its stream with a step in flight leaves no block held.
+    import openai
+    from test_server_hostile import all_blocks_free, in_process_server
+
+    sync, _ = engines
+    want = sync.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0].text
+    with in_process_server(target_model, async_scheduling=True, **ENGINE) as (base_url, llm):
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model=target_model, prompt=PROMPTS[0], max_tokens=24, temperature=0.0, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == want
+        stream = client.completions.create(
+            model=target_model, prompt=PROMPTS[1], max_tokens=500, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        assert all_blocks_free(llm)
+        assert llm.engine.num_async_steps > 0
