@@ -431,7 +431,19 @@ def _pod_template_fields(cluster, namespace: str, priority: str) -> None:
     volumes = {v.name: v for v in pod.volumes}
     assert volumes["tmp"].empty_dir.size_limit == "1Gi"
     assert pod.containers[0].resources.requests["ephemeral-storage"] == "1Gi"
-    pdb = client.PolicyV1Api(cluster.api).read_namespaced_pod_disruption_budget("podtpl", namespace)
+    # The operator applies the children one after the other (Deployment, Service, PDB): the PDB may
+    # come a moment after the Deployment the wait above saw.
+    policy = client.PolicyV1Api(cluster.api)
+
+    def pdb_applied():
+        try:
+            return policy.read_namespaced_pod_disruption_budget("podtpl", namespace)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            return None
+
+    pdb = wait_for(pdb_applied, timeout=60, what="the PodDisruptionBudget")
     assert pdb.spec.unhealthy_pod_eviction_policy == "AlwaysAllow"
 
     # Then a real worker, with what this node has: the scheduler, the kubelet and the admission
