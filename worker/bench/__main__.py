@@ -9,6 +9,7 @@ import sys
 
 from kvscale.worker.bench import (
     broadcast,
+    hostile,
     longout,
     peer,
     route,
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_parser(sub, [common])
     broadcast.add_parser(sub, [common])
     steps.add_parser(sub, [common])
+    hostile.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
