@@ -22,7 +22,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvscale.operator.router.endpoints import SliceWatcher, StaticEndpoints
+from kvscale.operator.router.endpoints import (
+    READ_GRACE_S,
+    WATCH_TIMEOUT_S,
+    SliceWatcher,
+    StaticEndpoints,
+)
 from kvscale.operator.router.picker import PickerConfig, Weights
 from kvscale.operator.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.operator.router.server import Router, RouterConfig, build_app
@@ -63,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a worker may stay silent (before its answer's headers, or between two chunks)",
+    )
+    p.add_argument(
+        "--watch-timeout",
+        type=int,
+        default=WATCH_TIMEOUT_S,
+        help="seconds the API server keeps each EndpointSlice watch open (timeoutSeconds); the "
+        f"client gives up on a silent one {READ_GRACE_S:g} s later and lists again",
+    )
     p.add_argument("--scrape-interval", type=float, default=0.25)
     p.add_argument("--scrape-timeout", type=float, default=1.0)
     p.add_argument("--scrape-concurrency", type=int, default=16)
@@ -100,13 +118,16 @@ def build_router(args: argparse.Namespace) -> Router:
     if args.endpoints:
         source = StaticEndpoints(args.endpoints.split(","))
     else:
-        source = SliceWatcher(args.service, _namespace(args.namespace), args.port_name)
+        source = SliceWatcher(
+            args.service, _namespace(args.namespace), args.port_name, watch_timeout_s=args.watch_timeout
+        )
     config = RouterConfig(
         block_chars=args.block_chars,
         max_blocks=args.max_blocks,
         max_body_bytes=args.max_body_bytes,
         max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout,
         queue_timeout_s=args.queue_timeout,
         max_queued=args.max_queued,
         scrape_interval_s=args.scrape_interval,

@@ -63,6 +63,9 @@ class RouterConfig:
     max_body_bytes: int = 8 * 2**20
     max_retries: int = 2  # other endpoints tried before the first byte
     connect_timeout_s: float = 5.0
+    # The longest a worker may stay silent: waiting for its answer's headers, or between two
+    # chunks of it. A non-streamed completion says nothing until it is done, so this is generous.
+    read_timeout_s: float = 600.0
     queue_timeout_s: float = 60.0
     max_queued: int = 256
     retry_after_s: int = 1
@@ -137,6 +140,13 @@ class _EndpointCollector:
     def collect(self):
         state = self.router.state
         yield GaugeMetricFamily("kvscale_router_endpoints", "Ready endpoints.", value=len(state.endpoints))
+        age = self.router.source_age()
+        if age is not None:
+            yield GaugeMetricFamily(
+                "kvscale_router_endpoints_age_seconds",
+                "Seconds since the endpoint source last heard from the API server.",
+                value=age,
+            )
         fams = {
             "in_flight": GaugeMetricFamily(
                 "kvscale_router_endpoint_in_flight_requests",
@@ -189,6 +199,11 @@ class Router:
         self._scraper_task: asyncio.Task | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
+    def source_age(self) -> float | None:
+        """Seconds since the endpoint source last heard from the API (sources may not say)."""
+        age = getattr(self.source, "age", None)
+        return age() if age is not None else None
+
     def set_endpoints(self, urls: list[str]) -> None:
         self.state.set_endpoints(urls)
         self.flow.dispatch()
@@ -344,7 +359,9 @@ class Router:
             return await _as_event(getattr(e, "early", None), refusal)
         self.metrics.queue_wait.observe(time.monotonic() - queued_at)
         headers = self._forward_headers(request)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=c.connect_timeout_s, sock_read=c.read_timeout_s
+        )
         tried: list[str] = []
         last: tuple[int, bytes, dict[str, str]] | None = None
         while endpoint is not None:
@@ -394,6 +411,17 @@ class Router:
             upstream = await self.session.request(
                 request.method, endpoint + request.path_qs, data=body, headers=headers, timeout=timeout
             )
+        except aiohttp.SocketTimeoutError:
+            # The worker took the request and said nothing for read_timeout_s: it may still be
+            # working on it, so it is not sent to another (that would run it twice).
+            logger.warning("endpoint silent past the read timeout", extra={"endpoint": endpoint})
+            err = APIError(
+                504,
+                f"the worker sent nothing within {self.config.read_timeout_s:g}s",
+                "server_error",
+                code="upstream_timeout",
+            )
+            return await _as_event(early, _error(err))
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             logger.info(
                 "endpoint failed before the first byte", extra={"endpoint": endpoint, "error": repr(e)}
@@ -490,9 +518,19 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """503 until the first list; then 200, with the list's staleness reported: past the
+        watch's bound the router keeps routing to the endpoints it last knew (as kube-proxy does
+        while the API server is away) rather than turn an API outage into a data-plane one."""
         if not self.source.synced:
             return web.json_response({"status": "syncing"}, status=503)
-        return web.json_response({"status": "ready", "endpoints": len(self.state.endpoints)})
+        age = self.source_age()
+        stale = getattr(self.source, "stale", None)
+        body = {
+            "status": "stale" if stale is not None and stale() else "ready",
+            "endpoints": len(self.state.endpoints),
+            "endpoints_age_s": None if age is None else round(age, 1),
+        }
+        return web.json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
