@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kvscale.operator.router.auth import KeyFile
 from kvscale.operator.router.endpoints import (
     READ_GRACE_S,
     WATCH_TIMEOUT_S,
@@ -62,6 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-capacity", type=int, default=DEFAULT_CAPACITY, help="blocks per endpoint (default)"
     )
     p.add_argument("--max-queued", type=int, default=256)
+    p.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=None,
+        help="places in the queue one client (API key, else peer address) may hold "
+        "(default: a quarter of --max-queued)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="client API keys, one per line (a mounted Secret; re-read when it changes): "
+        "a request without one of them gets 401",
+    )
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        help="the workers' API key (its first line): replaces the client's Authorization on the "
+        "way to a worker (default: the client's header goes through as it came)",
+    )
     p.add_argument(
         "--queue-timeout", type=float, default=60.0, help="seconds a request may wait in the router"
     )
@@ -130,6 +150,7 @@ def build_router(args: argparse.Namespace) -> Router:
         read_timeout_s=args.read_timeout,
         queue_timeout_s=args.queue_timeout,
         max_queued=args.max_queued,
+        max_queued_per_client=args.max_queued_per_client,
         scrape_interval_s=args.scrape_interval,
         scrape_timeout_s=args.scrape_timeout,
         scrape_concurrency=args.scrape_concurrency,
@@ -138,7 +159,9 @@ def build_router(args: argparse.Namespace) -> Router:
     waker = None
     if args.scale_deployment:
         waker = Waker(scale_up_from_zero(_apps_api(), args.scale_deployment, _namespace(args.namespace)))
-    return Router(state, source, config, waker)
+    api_keys = KeyFile(args.api_key_file) if args.api_key_file else None
+    upstream = KeyFile(args.upstream_api_key_file) if args.upstream_api_key_file else None
+    return Router(state, source, config, waker, api_keys=api_keys, upstream_key=upstream)
 
 
 def _apps_api():

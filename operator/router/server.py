@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from kvscale.operator.router.auth import KeyFile, client_key
 from kvscale.operator.router.prefix_index import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_MAX_BLOCKS,
@@ -35,7 +36,7 @@ from kvscale.operator.router.prefix_index import (
     chat_prefix_text,
     prompt_prefix_text,
 )
-from kvscale.operator.router.queue import FlowControl, QueueFull, QueueTimeout
+from kvscale.operator.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
 from kvscale.operator.router.scrape import Scraper
 from kvscale.operator.router.state import RouterState, WorkerMetrics
 from kvscale.operator.router.wake import Waker
@@ -68,6 +69,9 @@ class RouterConfig:
     read_timeout_s: float = 600.0
     queue_timeout_s: float = 60.0
     max_queued: int = 256
+    # One client's share of the queue (its API key's, else its peer address's): one client cannot
+    # fill all max_queued places. None: a quarter of max_queued (at least 1).
+    max_queued_per_client: int | None = None
     retry_after_s: int = 1
     scrape_interval_s: float = 0.25
     scrape_timeout_s: float = 1.0
@@ -95,8 +99,8 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "kvscale_router_rejected_requests",
-            "Requests the router answered itself, by reason (invalid, queue_full, queue_timeout, "
-            "no_endpoint).",
+            "Requests the router answered itself, by reason (invalid, unauthorized, queue_full, "
+            "client_queue_full, queue_timeout, no_endpoint).",
             ["model", "reason"],
             registry=r,
         )
@@ -183,17 +187,29 @@ WAITING_COMMENT = b": waiting for a worker\n\n"
 
 class Router:
     def __init__(
-        self, state: RouterState, source, config: RouterConfig | None = None, waker: Waker | None = None
+        self,
+        state: RouterState,
+        source,
+        config: RouterConfig | None = None,
+        waker: Waker | None = None,
+        api_keys: KeyFile | None = None,
+        upstream_key: KeyFile | None = None,
     ) -> None:
+        """`api_keys`: the client keys the router accepts (None: no authentication);
+        `upstream_key`: the workers' key, which replaces the client's Authorization on the way
+        to a worker (None: the client's header goes through as it came)."""
         self.state, self.source, self.waker = state, source, waker
-        self.config = config or RouterConfig()
+        self.api_keys, self.upstream_key = api_keys, upstream_key
+        self.config = c = config or RouterConfig()
         self.metrics = RouterMetrics(self)
+        per_client = c.max_queued_per_client
         self.flow = FlowControl(
             state.choose,
             self._release,
-            max_queued=self.config.max_queued,
-            timeout_s=self.config.queue_timeout_s,
-            on_change=lambda model, d: self.metrics.queued.labels(self.metrics.model(model)).inc(d),
+            max_queued=c.max_queued,
+            timeout_s=c.queue_timeout_s,
+            on_change=lambda label, d: self.metrics.queued.labels(label).inc(d),
+            max_per_key=max(1, c.max_queued // 4) if per_client is None else per_client,
         )
         self.session: aiohttp.ClientSession | None = None
         self._scraper_task: asyncio.Task | None = None
@@ -271,9 +287,31 @@ class Router:
         return body, model, hashes, payload.get("stream") is True
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.upstream_key is not None:  # the client's key stops here; the workers get theirs
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            key = self.upstream_key.first()
+            if key is not None:
+                headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def authenticate(self, request: web.Request) -> str:
+        """The request's fairness key; raises a 401 APIError when keys are configured and the
+        request carries none of them (before its body is read: a stranger costs no upload)."""
+        who = None
+        if self.api_keys is not None:
+            who = self.api_keys.identify(request.headers.get("Authorization", ""))
+            if who is None:
+                self.metrics.rejected.labels("", "unauthorized").inc()
+                raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+        return client_key(who, request.remote)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            client = self.authenticate(request)
+        except APIError as e:
+            self.metrics.responses.labels("", str(e.status)).inc()
+            return _error(e)
         try:
             body, model, hashes, stream = await self._parse(request)
         except APIError as e:
@@ -282,7 +320,7 @@ class Router:
             return _error(e)
         label = self.metrics.model(model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, hashes, stream)
+        resp = await self._route(request, body, label, hashes, stream, client)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
@@ -294,12 +332,14 @@ class Router:
         if self.waker is not None and not self.state.endpoints:
             self.waker.wake()  # no worker ready: ask for one (single-flight)
 
-    async def _acquire(self, request: web.Request, label: str, hashes: list[int], stream: bool):
+    async def _acquire(
+        self, request: web.Request, label: str, hashes: list[int], stream: bool, client: str = ""
+    ):
         """(an endpoint from flow control, the stream's response if waiting started it). While the
         request waits: asks for a worker when none is ready, and a stream gets an SSE comment
         every heartbeat_s (its 200 and headers go with the first)."""
         self._wake()
-        acquire = asyncio.ensure_future(self.flow.acquire(label, hashes))
+        acquire = asyncio.ensure_future(self.flow.acquire(client or label, hashes, label))
         early: web.StreamResponse | None = None
         try:
             while True:
@@ -324,14 +364,32 @@ class Router:
             raise
 
     async def _route(
-        self, request: web.Request, body: bytes, label: str, hashes: list[int], stream: bool = False
+        self,
+        request: web.Request,
+        body: bytes,
+        label: str,
+        hashes: list[int],
+        stream: bool = False,
+        client: str = "",
     ) -> web.StreamResponse:
         c = self.config
         retry_after = {"Retry-After": str(c.retry_after_s)}
         queued_at = time.monotonic()
         early: web.StreamResponse | None = None
         try:
-            endpoint, early = await self._acquire(request, label, hashes, stream)
+            endpoint, early = await self._acquire(request, label, hashes, stream, client)
+        except ClientQueueFull:
+            return self._refuse(
+                label,
+                "client_queue_full",
+                APIError(
+                    429,
+                    f"this client already has {self.flow.max_per_key} requests waiting in the router",
+                    "rate_limit_exceeded",
+                    code="client_queue_full",
+                    headers=retry_after,
+                ),
+            )
         except QueueFull:
             return self._refuse(
                 label,
@@ -503,6 +561,7 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         """Pass-through to one endpoint (any can answer: they serve the same model)."""
         assert self.session is not None
+        self.authenticate(request)
         timeout = aiohttp.ClientTimeout(total=10, sock_connect=self.config.connect_timeout_s)
         for endpoint in sorted(self.state.endpoints, key=lambda e: self.state.in_flight.get(e, 0)):
             try:
