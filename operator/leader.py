@@ -257,21 +257,23 @@ def lease_api_client(configuration: client.Configuration, timings: Timings) -> c
     """A Kubernetes client for the Lease only: a copy of `configuration` (its own connection
     pool, so a pool exhausted by other calls cannot delay a renewal), no re-sends inside urllib3
     (a write leaves within its attempt's deadline or not at all), and every request bounded:
-    connect within one retry period (a lost SYN is retried inside the deadline), the whole
-    request within the timeout the attempt passes (what is left of its deadline), and never
-    longer than the renew deadline."""
+    connect within one retry period (a lost SYN is retried inside the deadline), each read
+    within half the renew deadline (a connection gone silent leaves time for a retry on a fresh
+    one, as client-go retries within its deadline) and within the timeout the attempt passes
+    (what is left of its deadline)."""
     config = copy.deepcopy(configuration)
     config.retries = False
     api = client.ApiClient(config)
     rest_client = api.rest_client
     send = rest_client.request
     connect_s = timings.retry_period_s
+    read_s = max(timings.retry_period_s, timings.renew_deadline_s / 2)
 
     def request(method: str, url: str, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
-        total = timings.renew_deadline_s
+        total = read_s
         if isinstance(_request_timeout, int | float) and _request_timeout > 0:
             total = min(float(_request_timeout), total)
-        # (connect, read): the kubernetes client's pair; reads end within what was left
+        # (connect, read): the kubernetes client's pair
         timeout = (min(connect_s, total), total)
         return send(method, url, *args, _request_timeout=timeout, **kwargs)
 

@@ -731,6 +731,8 @@ def test_a_frozen_api_server_the_leader_acts_to_its_deadline_then_steps_down_onc
     assert all(acting for t, acting in samples if t < deadline - 0.05)  # led to its deadline
     assert not any(acting for t, acting in samples if t >= deadline)
     assert lost_at < last_renewal + timings.lease_duration_s  # stepped down within its term
+    # a read waits at most half the renew deadline: the attempt was retried within it
+    assert len([m for t, m in LeaseServer.requests if t >= frozen_at]) >= 2
     # one error line per attempt, each a timeout or a failed request: no storm
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     max_attempts = timings.renew_deadline_s / timings.retry_period_s
