@@ -250,8 +250,8 @@ def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
     namespace,  # noqa: F811
 ):
     ns, name = namespace, "ha"
-    apply(operator, example(name, ns))
-    wait_ready(operator, name, ns)
+    apply(operator, example(name, ns, replicas=1))
+    wait_ready(operator, name, ns, replicas=1)
     apps, core = client.AppsV1Api(operator.api), client.CoreV1Api(operator.api)
     policy = client.PolicyV1Api(operator.api)
 
