@@ -87,8 +87,8 @@ class StaticEndpoints:
         self.urls = sorted({u.rstrip("/") for u in urls if u.strip()})
         self.synced = True
 
-    def age(self) -> float:
-        return 0.0
+    def age(self) -> float | None:
+        return None  # no API to hear from
 
     def stale(self) -> bool:
         return False
@@ -126,7 +126,7 @@ class SliceWatcher:
         self.clock = clock
         self.heard_at: float | None = None
         self.synced = False
-        self.lists = 0  # how many times it listed (the first, and one per 410 Gone)
+        self.lists = 0  # how many times it listed (the first, one per 410 Gone or failed watch)
         self._api = api
         self._watch_factory = watch_factory
         self._stop = threading.Event()
