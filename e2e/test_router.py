@@ -6,6 +6,8 @@ through the router while a worker goes, and the InferencePool where its CRD is i
   workers' deployments/scale: one, by the router's ServiceAccount) and all return 200; idle again,
   the autoscaler takes it back to zero.
 - Requests through the router keep flowing while a worker is deleted: 0 failed.
+- Two routers (the default) with their PodDisruptionBudget: one is evicted, a second eviction
+  at once is refused (429), and requests keep flowing meanwhile: 0 failed.
 - With a test copy of the InferencePool CRD installed (e2e/testdata), the operator applies a pool
   selecting the workers.
 
@@ -40,6 +42,12 @@ from test_selfheal import audit_lines
 TESTDATA = Path(__file__).parent / "testdata"
 POOLS = ("inference.networking.k8s.io", "v1", "inferencepools")
 WORKERS = "app.kubernetes.io/name=kvscale-worker"
+
+
+def router_pods(cluster, name: str, ns: str) -> list[client.V1Pod]:
+    selector = f"app.kubernetes.io/name=kvscale-router,app.kubernetes.io/instance={name}"
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(ns, label_selector=selector).items
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
 
 
 def router_ip(cluster, name: str, ns: str) -> str:
@@ -235,3 +243,73 @@ def test_an_inference_pool_appears_where_its_crd_is_installed(operator, namespac
     assert [r["uid"] for r in found["metadata"]["ownerReferences"]] == [uid]
     # Deleted by hand, the next resync (KVSCALE_RESYNC_SECONDS, 300) puts it back: not waited for
     # here; tests/test_selfheal_units.py shows it.
+
+
+def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
+    operator,  # noqa: F811
+    namespace,  # noqa: F811
+):
+    ns, name = namespace, "ha"
+    apply(operator, example(name, ns, replicas=1))
+    wait_ready(operator, name, ns, replicas=1)
+    apps, core = client.AppsV1Api(operator.api), client.CoreV1Api(operator.api)
+    policy = client.PolicyV1Api(operator.api)
+
+    def routers_ready() -> bool:
+        dep = apps.read_namespaced_deployment(f"{name}-router", ns)
+        return dep.spec.replicas == 2 and (dep.status.ready_replicas or 0) == 2
+
+    wait_for(routers_ready, timeout=180, interval=0.5, what="two ready routers")
+    pdb = wait_for(
+        lambda: (
+            (p := policy.read_namespaced_pod_disruption_budget(f"{name}-router", ns)).status
+            and p.status.disruptions_allowed == 1
+            and p
+        ),
+        timeout=60,
+        interval=0.5,
+        what="the router's PodDisruptionBudget to allow one disruption",
+    )
+    assert pdb.spec.max_unavailable == 1
+    ip = router_ip(operator, name, ns)
+    results: list[int] = []
+    errors: list[bytes] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client_loop(i: int) -> None:
+        while not stop.is_set():
+            status, body = complete(ip, name, stream=(i == 0), timeout=120)
+            with lock:
+                results.append(status)
+                if status != 200:
+                    errors.append(body[:300])
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(results) >= 10, timeout=120, interval=0.5, what="requests through the routers")
+    first, second = (p.metadata.name for p in router_pods(operator, name, ns))
+
+    def evict(pod: str) -> None:
+        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=ns))
+        core.create_namespaced_pod_eviction(pod, ns, body)
+
+    evict(first)
+    with pytest.raises(client.ApiException) as refused:
+        evict(second)  # the budget is spent until the first one's replacement is ready
+    assert refused.value.status == 429, refused.value.body
+    before = len(results)
+    wait_for(
+        lambda: first not in {p.metadata.name for p in router_pods(operator, name, ns)} and routers_ready(),
+        timeout=180,
+        interval=0.5,
+        what="the evicted router replaced",
+    )
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join(timeout=150)
+    assert not errors, errors[:5]
+    assert len(results) > before  # served while a router went
+    assert set(results) == {200}

@@ -75,7 +75,14 @@ class Owner:
 # A child is known by its key: its kind, or for the router's Deployment and Service (whose kinds
 # the workers' children share) the kind with a Router prefix.
 WORKER_KEYS = ("Deployment", "LeaderWorkerSet", "Service", "PodDisruptionBudget", "InferencePool")
-ROUTER_KEYS = ("RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding")
+ROUTER_KEYS = (
+    "RouterDeployment",
+    "RouterService",
+    "RouterPodDisruptionBudget",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+)
 CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS
 
 
@@ -84,7 +91,11 @@ def kind_of(key: str) -> str:
 
 
 def child_key(kind: str, obj_labels: dict[str, str] | None) -> str:
-    router = (obj_labels or {}).get(LABEL_NAME) == ROUTER and kind in ("Deployment", "Service")
+    router = (obj_labels or {}).get(LABEL_NAME) == ROUTER and kind in (
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+    )
     return f"Router{kind}" if router else kind
 
 
@@ -638,8 +649,15 @@ def scales_from_zero(spec: InferenceDeploymentSpec) -> bool:
     return spec.autoscaling is not None and spec.autoscaling.min_replicas == 0
 
 
+ROUTER_KEYS_DIR = "/etc/kvscale/router-api-keys"
+
+
 def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
     args = ["--service", owner.name, "--port-name", "http", "--port", str(PORT)]
+    if spec.server.api_key_secret:
+        # The workers' key, checked at the router too (before a stranger takes a queue place)
+        # and forwarded to the workers, which check it again.
+        args += ["--api-key-file", f"{ROUTER_KEYS_DIR}/api-key"]
     if scales_from_zero(spec):
         # The workers' Deployment, through /scale; and a request may wait a first worker's startup.
         args += ["--scale-deployment", owner.name]
@@ -678,6 +696,11 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
         "securityContext": CONTAINER_SECURITY,
     }
+    volumes = []
+    if spec.server.api_key_secret:
+        secret = {"secretName": spec.server.api_key_secret, "items": [{"key": "api-key", "path": "api-key"}]}
+        volumes = [{"name": "api-keys", "secret": secret}]
+        container["volumeMounts"] = [{"name": "api-keys", "mountPath": ROUTER_KEYS_DIR, "readOnly": True}]
     labels_ = {**router_selector_labels(owner.name), LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
     return {
         "apiVersion": "apps/v1",
@@ -698,6 +721,17 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
                     # The router watches EndpointSlices and writes /scale: it needs its token.
                     "automountServiceAccountToken": True,
                     "containers": [container],
+                    **({"volumes": volumes} if volumes else {}),
+                    # Replicas on different nodes where there are several (soft: a one-node
+                    # cluster still runs them all), so one node's loss leaves a router.
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": router_selector_labels(owner.name)},
+                        }
+                    ],
                     # Longer than preStop + the router's own drain (--shutdown-timeout, 30 s).
                     "terminationGracePeriodSeconds": PRESTOP_SECONDS + 30 + 10,
                     "securityContext": {
@@ -722,6 +756,21 @@ def router_service(owner: Owner) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": router_selector_labels(owner.name),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_pod_disruption_budget(owner: Owner) -> dict[str, Any]:
+    """Drains and upgrades take one router at a time: with two replicas (the default) one keeps
+    serving; with one, eviction is never blocked. A router that is not Ready may go at once."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _router_metadata(owner),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": router_selector_labels(owner.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -770,7 +819,12 @@ def router_children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> 
     """The router's children; none with the router off (the handlers delete what is left)."""
     if not spec.router.enabled:
         return []
-    return [*router_rbac(owner), router_deployment(owner, spec, image), router_service(owner)]
+    return [
+        *router_rbac(owner),
+        router_deployment(owner, spec, image),
+        router_service(owner),
+        router_pod_disruption_budget(owner),
+    ]
 
 
 def endpoint_url(owner: Owner, spec: InferenceDeploymentSpec) -> str:

@@ -16,6 +16,10 @@ The rules are client-go's (k8s.io/client-go/tools/leaderelection):
   whatever its tasks were doing, before the loop that renews even notices.
 - The writes of the Lease compare-and-swap on its resourceVersion: two candidates racing for an
   expired lease cannot both win, the loser's write is refused with 409.
+- The renewals run on a thread of their own (`RenewalThread`), with a Kubernetes client of their
+  own (`lease_api_client`: its own connection pool, a connect timeout of one retry period, no
+  request longer than what is left of the renew deadline). Nothing else the process does (the
+  resync, the autoscaler's blocking calls, both on Python's default thread pool) can delay one.
 
 What no client can close: a write that passed its check and was then frozen before its bytes
 left the process lands whenever the process resumes. The margin between the renew deadline and
@@ -26,7 +30,9 @@ ordinary objects for longer ones.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import copy
 import dataclasses
 import datetime as dt
 import logging
@@ -238,12 +244,68 @@ class LeaseLock:
             raise
 
 
-async def keep_renewing(lock: LeaseLock, fence: Fence, stop: asyncio.Event) -> bool:
+class RenewalThread(concurrent.futures.ThreadPoolExecutor):
+    """The Lease's own thread: one attempt at a time (an attempt that outlived its timeout on
+    the loop delays the next one, never doubles it), never shared with Python's default pool,
+    which the resync and the autoscaler's blocking API calls (30 s timeouts) may fill."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="lease-renewal")
+
+
+def lease_api_client(configuration: client.Configuration, timings: Timings) -> client.ApiClient:
+    """A Kubernetes client for the Lease only: a copy of `configuration` (its own connection
+    pool, so a pool exhausted by other calls cannot delay a renewal), no re-sends inside urllib3
+    (a write leaves within its attempt's deadline or not at all), and every request bounded:
+    connect within one retry period (a lost SYN is retried inside the deadline), each read
+    within half the renew deadline (a connection gone silent leaves time for a retry on a fresh
+    one, as client-go retries within its deadline) and within the timeout the attempt passes
+    (what is left of its deadline)."""
+    config = copy.deepcopy(configuration)
+    config.retries = False
+    api = client.ApiClient(config)
+    rest_client = api.rest_client
+    send = rest_client.request
+    connect_s = timings.retry_period_s
+    read_s = max(timings.retry_period_s, timings.renew_deadline_s / 2)
+
+    def request(method: str, url: str, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        total = read_s
+        if isinstance(_request_timeout, int | float) and _request_timeout > 0:
+            total = min(float(_request_timeout), total)
+        # (connect, read): the kubernetes client's pair
+        timeout = (min(connect_s, total), total)
+        return send(method, url, *args, _request_timeout=timeout, **kwargs)
+
+    rest_client.request = request
+    return api
+
+
+async def keep_renewing(
+    lock: LeaseLock,
+    fence: Fence,
+    stop: asyncio.Event,
+    thread: concurrent.futures.Executor | None = None,
+) -> bool:
     """The leader's loop: renew every retry period until `stop` (returns False) or until the
-    lease is lost (returns True, the fence revoked). Each attempt gets what is left of the renew
-    deadline as its timeout, and a failed one is retried within the deadline, as client-go does;
+    lease is lost (returns True, the fence revoked). Each attempt runs on `thread` (a
+    `RenewalThread` of its own when none is given) and gets what is left of the renew deadline
+    as its timeout, and a failed one is retried within the deadline, as client-go does;
     another live holder ends it at once. The fence does not wait for this loop: it refuses
     writes from the deadline on, also while an attempt hangs here or the loop is not scheduled."""
+    own = thread is None
+    renewal_thread = thread or RenewalThread()
+    try:
+        return await _renew_until_lost(lock, fence, stop, renewal_thread)
+    finally:
+        if own:  # an attempt still running ends by its own timeout; nothing waits for it
+            renewal_thread.shutdown(wait=False)
+
+
+async def _renew_until_lost(
+    lock: LeaseLock, fence: Fence, stop: asyncio.Event, thread: concurrent.futures.Executor
+) -> bool:
+    loop = asyncio.get_running_loop()
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), fence.timings.retry_period_s)
@@ -254,7 +316,7 @@ async def keep_renewing(lock: LeaseLock, fence: Fence, stop: asyncio.Event) -> b
         started = None
         if left > 0:
             try:
-                attempt = asyncio.to_thread(lock.try_acquire_or_renew, deadline)
+                attempt = loop.run_in_executor(thread, lock.try_acquire_or_renew, deadline)
                 started = await asyncio.wait_for(attempt, left)
             except TimeoutError:
                 logger.error("lease renewal timed out")

@@ -113,7 +113,7 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
     import kopf
 
     from kvscale.operator import autoscaler
-    from kvscale.operator.leader import keep_renewing
+    from kvscale.operator.leader import RenewalThread, keep_renewing
 
     health = health or Health()
     health.may_act = fence.may_act
@@ -122,10 +122,13 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
 
     stop = asyncio.Event()
     lost = False
+    # The Lease's calls (renewals, the release) on a thread of their own: kopf's handlers, the
+    # resync and the autoscaler fill Python's default pool with calls of up to 30 s.
+    renewal_thread = RenewalThread()
 
     async def guard() -> None:
         nonlocal lost
-        lost = await keep_renewing(lock, fence, stop)
+        lost = await keep_renewing(lock, fence, stop, renewal_thread)
         if lost:
             logger.error("lost the lease; stopping", extra={"holder": lock.holder()})
             health.set_role("stopping")
@@ -157,10 +160,14 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
         autoscaler.stop_all()
         if not lost and not fence.may_act():  # kopf stopped first (e.g. on a refused write)
             logger.error("lost the lease: the renew deadline passed; stopping")
-    if lost or not fence.may_act():
-        return 1
-    await asyncio.to_thread(lock.release, fence.timings.retry_period_s)
-    return 0
+    try:
+        if lost or not fence.may_act():
+            return 1
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(renewal_thread, lock.release, fence.timings.retry_period_s)
+        return 0
+    finally:
+        renewal_thread.shutdown(wait=False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -170,7 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     import kvscale.operator.autoscaler  # noqa: F401 (registers the autoscaler's event handler)
     from kvscale.operator import handlers
     from kvscale.operator.handlers import api
-    from kvscale.operator.leader import JITTER, Fence, LeaseLock, Timings, fence_api_client
+    from kvscale.operator.leader import (
+        JITTER,
+        Fence,
+        LeaseLock,
+        Timings,
+        fence_api_client,
+        lease_api_client,
+    )
 
     timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
     handlers.watch_namespaces = args.watch_namespaces  # the resync lists in these only
@@ -178,11 +192,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.health_port:
         serve(health, args.health_host, args.health_port)
     # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
-    # with a timeout; the Lease has a client of its own, outside the fence (same settings: no
-    # re-sends inside urllib3, so none of its writes leaves after its attempt's deadline).
+    # with a timeout; the Lease has a client of its own, outside the fence, with its own pool
+    # and timeouts below the renew deadline (no re-sends inside urllib3 either, so none of its
+    # writes leaves after its attempt's deadline).
     fence = Fence(timings)
     fence_api_client(api(), fence)
-    coordination = client.CoordinationV1Api(client.ApiClient(api().configuration))
+    coordination = client.CoordinationV1Api(lease_api_client(api().configuration, timings))
     lock = LeaseLock(coordination, args.namespace, args.lease_name, args.identity, timings)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

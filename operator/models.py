@@ -485,7 +485,13 @@ class RouterSpec(_Model):
         description="Deploy the router and its Service (NAME-router). Off: clients use the "
         "workers' Service, and minReplicas 0 has nothing to wake the workers.",
     )
-    replicas: int = Field(default=1, ge=1, le=100, description="Router pods.")
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        le=100,
+        description="Router pods (2: one keeps serving while the other restarts or is evicted; "
+        "its PodDisruptionBudget lets one go at a time).",
+    )
     image: str | None = Field(
         default=None,
         pattern=r"^\S+$",

@@ -592,3 +592,153 @@ def test_lease_timings_from_flags_and_env(monkeypatch):
     monkeypatch.setenv("KVSCALE_RENEW_DEADLINE", "20")
     with pytest.raises(SystemExit):
         main.main(["run"])  # a renew deadline past the default lease duration (15 s)
+
+
+# --- The renewals' own thread and client (issue 27) ---------------------------------------------
+
+
+def test_renewals_keep_their_deadline_while_the_default_thread_pool_is_full():
+    """The resync and the autoscaler's blocking API calls (30 s timeouts) run on Python's
+    default pool: with it full of calls that hang, the lease is still renewed every retry
+    period (before: the renewal queued behind them, missed its deadline, and the leader quit)."""
+    timings = Timings(lease_duration_s=2, renew_deadline_s=1.0, retry_period_s=0.1)
+    leases = FakeLeases()
+    me = LeaseLock(leases, "ns", "l", "me", timings)  # type: ignore[arg-type]
+    fence = Fence(timings)
+    fence.renewed(me.try_acquire_or_renew(time.monotonic() + 1.0))
+    release = threading.Event()
+
+    async def run() -> tuple[bool, list[bool], int]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(max_workers=2)
+        loop.set_default_executor(pool)
+        busy = [asyncio.to_thread(release.wait, 10) for _ in range(6)]  # 2 hang, 4 queued
+        busy_tasks = [asyncio.ensure_future(b) for b in busy]
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(keep_renewing(me, fence, stop))
+        writes, acting = leases.writes, []
+        # ten renewals (1 s at a 0.1 s retry period), and the fence open at every sample
+        while leases.writes < writes + 10 and not renewing.done():
+            acting.append(fence.may_act())
+            await asyncio.sleep(0.02)
+        lost = renewing.done() and renewing.result()
+        stop.set()
+        release.set()
+        await asyncio.gather(*busy_tasks)
+        result = await renewing
+        pool.shutdown()
+        return lost or result, acting, leases.writes - writes
+
+    lost, acting, renewals = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert not lost and all(acting) and renewals >= 10
+
+
+class LeaseServer(BaseHTTPRequestHandler):
+    """The Lease endpoints of an API server (create, read, replace with a resourceVersion
+    compare-and-swap); once `frozen` is set it accepts every request and never answers."""
+
+    lease: ClassVar[dict | None] = None
+    requests: ClassVar[list[tuple[float, str]]] = []
+    frozen: ClassVar[threading.Event] = threading.Event()
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def _answer(self) -> None:
+        type(self).requests.append((time.monotonic(), self.command))
+        if type(self).frozen.is_set():
+            type(self).release.wait(30)  # accepted, read, and never answered
+            self.close_connection = True
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, answer = 200, type(self).lease
+        if self.command in ("POST", "PUT"):
+            written = json.loads(body)
+            current = type(self).lease
+            version = int(current["metadata"]["resourceVersion"]) if current else 0
+            if self.command == "PUT" and written["metadata"].get("resourceVersion") != str(version):
+                status = 409
+            else:
+                written["metadata"]["resourceVersion"] = str(version + 1)
+                type(self).lease = answer = written
+                status = 201 if self.command == "POST" else 200
+        elif answer is None:
+            status = 404
+        payload = json.dumps(answer or {"kind": "Status", "code": status}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_PUT = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def lease_server():
+    LeaseServer.lease, LeaseServer.requests = None, []
+    LeaseServer.frozen, LeaseServer.release = threading.Event(), threading.Event()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), LeaseServer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    LeaseServer.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_frozen_api_server_the_leader_acts_to_its_deadline_then_steps_down_once(lease_server, caplog):
+    """Through the real Kubernetes client (`lease_api_client`) against an API server that, once
+    frozen, accepts every request and never answers: the leader keeps acting until the renew
+    deadline of its last renewal (before the term after which a candidate may take the lease),
+    then reports the loss once; each attempt ends by its timeout (one error line per attempt,
+    no storm), and the renewal thread is free again rather than stuck on a dead socket."""
+    from kubernetes.client import CoordinationV1Api
+
+    from kvscale.operator.leader import RenewalThread, lease_api_client
+
+    timings = Timings(lease_duration_s=3, renew_deadline_s=1.5, retry_period_s=0.2)
+    api = lease_api_client(client.Configuration(host=lease_server), timings)
+    me = LeaseLock(CoordinationV1Api(api), "ns", "l", "me", timings)
+    fence = Fence(timings)
+    fence.renewed(me.try_acquire_or_renew(time.monotonic() + timings.renew_deadline_s))
+    assert LeaseServer.lease["spec"]["holderIdentity"] == "me"
+    thread = RenewalThread()
+
+    async def run() -> tuple[bool, float, float, float, list[tuple[float, bool]]]:
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(keep_renewing(me, fence, stop, thread))
+        while sum(m == "PUT" for _, m in LeaseServer.requests) < 3:  # renewing normally
+            await asyncio.sleep(0.02)
+        frozen_at = time.monotonic()
+        LeaseServer.frozen.set()
+        samples: list[tuple[float, bool]] = []
+        last_renewal = fence.renewed_at
+        while not renewing.done():
+            last_renewal = fence.renewed_at or last_renewal
+            samples.append((time.monotonic(), fence.may_act()))
+            await asyncio.sleep(0.02)
+        return renewing.result(), time.monotonic(), frozen_at, last_renewal, samples
+
+    caplog.set_level(logging.ERROR, logger="kvscale.operator.leader")
+    lost, lost_at, frozen_at, last_renewal, samples = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert lost and not fence.may_act()
+    assert last_renewal <= frozen_at  # no renewal got through the frozen server
+    deadline = last_renewal + timings.renew_deadline_s
+    assert all(acting for t, acting in samples if t < deadline - 0.05)  # led to its deadline
+    assert not any(acting for t, acting in samples if t >= deadline)
+    assert lost_at < last_renewal + timings.lease_duration_s  # stepped down within its term
+    # a read waits at most half the renew deadline: the attempt was retried within it
+    assert len([m for t, m in LeaseServer.requests if t >= frozen_at]) >= 2
+    # one error line per attempt, each a timeout or a failed request: no storm
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    max_attempts = timings.renew_deadline_s / timings.retry_period_s
+    assert 1 <= len(errors) <= max_attempts, errors
+    assert all("timed out" in e or "failed" in e for e in errors), errors
+    # the hung request ended by its own timeout: the thread takes new work within a deadline
+    free = thread.submit(lambda: "free")
+    assert free.result(timeout=timings.renew_deadline_s + 1) == "free"
+    thread.shutdown()

@@ -378,6 +378,35 @@ def test_the_router_follows_its_spec_and_scale_from_zero():
     assert router_children(OWNER, spec(router={"enabled": False}), "router:1") == []
 
 
+def test_two_routers_by_default_one_evicted_at_a_time_spread_over_nodes():
+    objs = router_objects(spec())
+    dep, pdb = objs["RouterDeployment"], objs["RouterPodDisruptionBudget"]
+    assert dep["spec"]["replicas"] == 2
+    assert pdb["metadata"]["name"] == "tiny-router" and pdb["spec"]["maxUnavailable"] == 1
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert not (selector_labels("tiny").items() <= pdb["spec"]["selector"]["matchLabels"].items())
+    (spread,) = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert (
+        spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    )
+    assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_the_workers_api_key_secret_is_the_routers_key_file():
+    plain = router_objects(spec())["RouterDeployment"]["spec"]["template"]["spec"]
+    assert "--api-key-file" not in plain["containers"][0]["args"] and "volumes" not in plain
+    pod = router_objects(spec(server={"apiKeySecret": "keys"}))["RouterDeployment"]["spec"]["template"][
+        "spec"
+    ]
+    (container,) = pod["containers"]
+    path = container["args"][container["args"].index("--api-key-file") + 1]
+    (mount,) = container["volumeMounts"]
+    (volume,) = pod["volumes"]
+    assert volume["secret"] == {"secretName": "keys", "items": [{"key": "api-key", "path": "api-key"}]}
+    assert mount["readOnly"] and path == f"{mount['mountPath']}/api-key" and mount["name"] == volume["name"]
+
+
 def test_router_names_are_dns_labels_and_the_endpoint_is_the_routers_service():
     long = "a" * 63
     assert router_name("tiny") == "tiny-router"

@@ -209,6 +209,45 @@ def test_arrivals_alone_never_load_an_endpoint_past_the_bound(seq, n, c):
         assert max(s.in_flight.values()) <= math.ceil(c * k / n)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), max_size=120),
+    st.integers(1, 6),
+    st.sampled_from([1.0, 1.25, 2.0]),
+)
+def test_two_routers_load_an_endpoint_at_most_one_request_past_one_routers_bound(seq, n, c):
+    """Two replicas, each with its own in-flight counts, the arrivals split between them in any
+    way (a Service balances connections, not requests): after k arrivals in all, no endpoint
+    holds more than ceil(c x k / n) + 1 of them (one router's bound, plus one). Each router keeps
+    its own share under ceil(c x k_r / n) < c x k_r / n + 1, and the shares add up: N routers
+    add at most N - 1 per endpoint, not a factor of N."""
+    names = [f"http://e{i}" for i in range(n)]
+    routers = [RouterState(PickerConfig(load_factor=c)) for _ in range(2)]
+    for r in routers:
+        r.set_endpoints(names)
+    worst = 0
+    for k, (which, p) in enumerate(seq, start=1):
+        routers[which].choose(_hashes(f"prefix {p} " * 30))
+        combined = max(sum(r.in_flight.get(e, 0) for r in routers) for e in names)
+        assert combined <= math.ceil(c * k / n) + 1
+        worst = max(worst, combined - math.ceil(c * k / n))
+    assert worst <= 1
+
+
+def test_two_routers_can_reach_the_extra_one():
+    """The +1 is attained, not slack in the proof: two endpoints, c = 1, one request of the same
+    prefix at each router. Each sees an idle pool and picks the same endpoint by the same
+    tie-break: 2 there, where one router taking both would have put 1 (ceil(1 x 2 / 2))."""
+    names = ["http://e0", "http://e1"]
+    routers = [RouterState(PickerConfig(load_factor=1.0)) for _ in range(2)]
+    for r in routers:
+        r.set_endpoints(names)
+    hot = _hashes("the same prefix " * 30)
+    chosen = [r.choose(hot) for r in routers]  # each sees an idle pool: the same tie-break
+    assert chosen[0] == chosen[1]
+    assert math.ceil(1.0 * 2 / 2) + 1 == 2 == sum(r.in_flight[chosen[0]] for r in routers)
+
+
 def test_load_bound_is_chwbl_capacity():
     assert load_bound(0, 3, 1.25) == 1
     assert load_bound(11, 3, 1.25) == 5

@@ -1,6 +1,6 @@
 """Flow control (kvscale.operator.router.queue) under any interleaving of arrivals, clients that
 leave, finished requests and capacity changes: no endpoint slot is leaked or handed twice, the
-queue stays bounded, nobody waits while a slot is free, and per model it is FIFO."""
+queue stays bounded, nobody waits while a slot is free, and per key (client) it is FIFO."""
 
 from __future__ import annotations
 

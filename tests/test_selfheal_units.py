@@ -667,6 +667,7 @@ def test_the_routers_children_are_healed_like_the_workers(cluster):
     for key, handler in (
         ("RouterDeployment", handlers.deployment_changed),
         ("RouterService", handlers.service_changed),
+        ("RouterPodDisruptionBudget", handlers.pdb_changed),
         ("ServiceAccount", handlers.service_account_changed),
         ("Role", handlers.role_changed),
         ("RoleBinding", handlers.role_binding_changed),
@@ -700,7 +701,14 @@ def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(clu
     reconcile()
     assert sorted(cluster.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
     assert sorted(c[1] for c in cluster.calls if c[0] == "delete") == sorted(
-        ["RouterDeployment", "RouterService", "ServiceAccount", "Role", "RoleBinding"]
+        [
+            "RouterDeployment",
+            "RouterService",
+            "RouterPodDisruptionBudget",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+        ]
     )
     assert cluster.resource["status"]["endpoint"] == "http://tiny.ns.svc:8000"
     cluster.calls.clear()

@@ -3,8 +3,15 @@
 
 `endpoints_from_slices` and `apply_event` are pure (unit-tested); `SliceWatcher` is the thin I/O:
 a list, then a watch resumed from the last resourceVersion seen (bookmarks included), and a fresh
-list when the API says that version is gone (410 Gone), in a thread of its own (the kubernetes
-client is synchronous) that hands each new set to the event loop.
+list when the API says that version is gone (410 Gone) or the connection failed or went silent,
+in a thread of its own (the kubernetes client is synchronous) that hands each new set to the
+event loop.
+
+Every call is bounded: the watch asks the API server to end it after `watch_timeout_s`
+(timeoutSeconds) and reads with a client read timeout a little longer, so a healthy watch always
+ends first, and a connection that went half-open (no bytes, no FIN) is given up within
+`read_timeout_s` and replaced by a fresh list. `age()` says how long ago the API was last heard
+from (a list, an event or a watch that ended as asked), `stale()` whether that is past the bound.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+WATCH_TIMEOUT_S = 30  # the API server ends each watch after this (timeoutSeconds)
+READ_GRACE_S = 10.0  # the client read timeout: the watch timeout plus this
+CONNECT_TIMEOUT_S = 5.0
+MAX_BACKOFF_S = 10.0
 
 
 def _url(address: str, port: int) -> str:
@@ -76,6 +87,12 @@ class StaticEndpoints:
         self.urls = sorted({u.rstrip("/") for u in urls if u.strip()})
         self.synced = True
 
+    def age(self) -> float | None:
+        return None  # no API to hear from
+
+    def stale(self) -> bool:
+        return False
+
     def start(self, publish: Callable[[list[str]], None]) -> None:
         publish(self.urls)
 
@@ -91,14 +108,25 @@ class SliceWatcher:
         service: str,
         namespace: str,
         port_name: str | None = None,
-        watch_timeout_s: int = 300,
+        watch_timeout_s: int = WATCH_TIMEOUT_S,
         api: Any = None,
         watch_factory: Callable[[], Any] | None = None,
+        read_timeout_s: float | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.service, self.namespace, self.port_name = service, namespace, port_name
         self.watch_timeout_s = watch_timeout_s
+        # Longer than the watch itself: a read that waits past it is a dead connection.
+        self.read_timeout_s = read_timeout_s or watch_timeout_s + READ_GRACE_S
+        self.connect_timeout_s = connect_timeout_s
+        # Past this without hearing from the API, the list is stale: a silent watch would have
+        # been given up and a fresh list tried (with the longest backoff) by then.
+        self.stale_after_s = self.read_timeout_s + connect_timeout_s + MAX_BACKOFF_S
+        self.clock = clock
+        self.heard_at: float | None = None
         self.synced = False
-        self.lists = 0  # how many times it listed (the first, and one per 410 Gone)
+        self.lists = 0  # how many times it listed (the first, one per 410 Gone or failed watch)
         self._api = api
         self._watch_factory = watch_factory
         self._stop = threading.Event()
@@ -121,6 +149,20 @@ class SliceWatcher:
         if self._watch is not None:
             self._watch.stop()
 
+    def age(self) -> float | None:
+        """Seconds since the API was last heard from (None: never)."""
+        return None if self.heard_at is None else self.clock() - self.heard_at
+
+    def stale(self) -> bool:
+        age = self.age()
+        return age is not None and age > self.stale_after_s
+
+    def _heard(self) -> None:
+        self.heard_at = self.clock()
+
+    def _timeout(self) -> tuple[float, float]:
+        return (self.connect_timeout_s, self.read_timeout_s)
+
     def _client(self):
         if self._api is None:
             from kubernetes import client, config
@@ -134,11 +176,15 @@ class SliceWatcher:
 
     def _list(self) -> tuple[dict[str, dict], str]:
         resp = self._client().list_namespaced_endpoint_slice(
-            self.namespace, label_selector=f"{SERVICE_NAME_LABEL}={self.service}", _preload_content=False
+            self.namespace,
+            label_selector=f"{SERVICE_NAME_LABEL}={self.service}",
+            _preload_content=False,
+            _request_timeout=self._timeout(),
         )
         body = json.loads(resp.data)
         slices = {s["metadata"]["name"]: s for s in body.get("items") or []}
         self.lists += 1
+        self._heard()
         return slices, body["metadata"]["resourceVersion"]
 
     def _run(self, publish: Callable[[list[str]], None]) -> None:
@@ -164,8 +210,10 @@ class SliceWatcher:
                     resource_version=version,
                     allow_watch_bookmarks=True,
                     timeout_seconds=self.watch_timeout_s,
+                    _request_timeout=self._timeout(),
                 )
                 for event in stream:
+                    self._heard()
                     raw = event.get("raw_object") or {}
                     if event["type"] == "ERROR":
                         if raw.get("code") == 410:
@@ -176,6 +224,8 @@ class SliceWatcher:
                         continue
                     slices = apply_event(slices, event["type"], raw)
                     publish(endpoints_from_slices(slices.values(), self.port_name))
+                else:
+                    self._heard()  # the server ended the watch as asked: it is alive
                 backoff = 0.5
             except ApiException as e:
                 if e.status == 410:
@@ -183,11 +233,14 @@ class SliceWatcher:
                     continue
                 logger.warning("endpointslice watch failed", extra={"status": e.status, "reason": e.reason})
                 self._sleep(backoff)
-                backoff = min(10.0, backoff * 2)
-            except Exception as e:  # the API unreachable, a dropped connection: retry from `version`
-                logger.warning("endpointslice watch failed", extra={"error": repr(e)})
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+            except Exception as e:
+                # The API unreachable, a dropped connection, or one silent past the read timeout
+                # (half-open): what it missed is unknown, so list afresh rather than resume.
+                logger.warning("endpointslice watch failed; listing again", extra={"error": repr(e)})
+                version = None
                 self._sleep(backoff)
-                backoff = min(10.0, backoff * 2)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

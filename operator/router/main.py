@@ -22,7 +22,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvscale.operator.router.endpoints import SliceWatcher, StaticEndpoints
+from kvscale.operator.router.auth import KeyFile
+from kvscale.operator.router.endpoints import (
+    READ_GRACE_S,
+    WATCH_TIMEOUT_S,
+    SliceWatcher,
+    StaticEndpoints,
+)
 from kvscale.operator.router.picker import PickerConfig, Weights
 from kvscale.operator.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.operator.router.server import Router, RouterConfig, build_app
@@ -58,11 +64,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=None,
+        help="places in the queue one client (API key, else peer address) may hold "
+        "(default: a quarter of --max-queued)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="client API keys, one per line (a mounted Secret; re-read when it changes): "
+        "a request without one of them gets 401",
+    )
+    p.add_argument(
+        "--upstream-api-key-file",
+        default=None,
+        help="the workers' API key (its first line): replaces the client's Authorization on the "
+        "way to a worker (default: the client's header goes through as it came)",
+    )
+    p.add_argument(
         "--queue-timeout", type=float, default=60.0, help="seconds a request may wait in the router"
     )
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a worker may stay silent (before its answer's headers, or between two chunks)",
+    )
+    p.add_argument(
+        "--watch-timeout",
+        type=int,
+        default=WATCH_TIMEOUT_S,
+        help="seconds the API server keeps each EndpointSlice watch open (timeoutSeconds); the "
+        f"client gives up on a silent one {READ_GRACE_S:g} s later and lists again",
+    )
     p.add_argument("--scrape-interval", type=float, default=0.25)
     p.add_argument("--scrape-timeout", type=float, default=1.0)
     p.add_argument("--scrape-concurrency", type=int, default=16)
@@ -100,15 +138,19 @@ def build_router(args: argparse.Namespace) -> Router:
     if args.endpoints:
         source = StaticEndpoints(args.endpoints.split(","))
     else:
-        source = SliceWatcher(args.service, _namespace(args.namespace), args.port_name)
+        source = SliceWatcher(
+            args.service, _namespace(args.namespace), args.port_name, watch_timeout_s=args.watch_timeout
+        )
     config = RouterConfig(
         block_chars=args.block_chars,
         max_blocks=args.max_blocks,
         max_body_bytes=args.max_body_bytes,
         max_retries=args.max_retries,
         connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout,
         queue_timeout_s=args.queue_timeout,
         max_queued=args.max_queued,
+        max_queued_per_client=args.max_queued_per_client,
         scrape_interval_s=args.scrape_interval,
         scrape_timeout_s=args.scrape_timeout,
         scrape_concurrency=args.scrape_concurrency,
@@ -117,7 +159,9 @@ def build_router(args: argparse.Namespace) -> Router:
     waker = None
     if args.scale_deployment:
         waker = Waker(scale_up_from_zero(_apps_api(), args.scale_deployment, _namespace(args.namespace)))
-    return Router(state, source, config, waker)
+    api_keys = KeyFile(args.api_key_file) if args.api_key_file else None
+    upstream = KeyFile(args.upstream_api_key_file) if args.upstream_api_key_file else None
+    return Router(state, source, config, waker, api_keys=api_keys, upstream_key=upstream)
 
 
 def _apps_api():

@@ -28,6 +28,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from kvscale.operator.router.auth import KeyFile, client_key
 from kvscale.operator.router.prefix_index import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_MAX_BLOCKS,
@@ -35,7 +36,7 @@ from kvscale.operator.router.prefix_index import (
     chat_prefix_text,
     prompt_prefix_text,
 )
-from kvscale.operator.router.queue import FlowControl, QueueFull, QueueTimeout
+from kvscale.operator.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
 from kvscale.operator.router.scrape import Scraper
 from kvscale.operator.router.state import RouterState, WorkerMetrics
 from kvscale.operator.router.wake import Waker
@@ -63,8 +64,14 @@ class RouterConfig:
     max_body_bytes: int = 8 * 2**20
     max_retries: int = 2  # other endpoints tried before the first byte
     connect_timeout_s: float = 5.0
+    # The longest a worker may stay silent: waiting for its answer's headers, or between two
+    # chunks of it. A non-streamed completion says nothing until it is done, so this is generous.
+    read_timeout_s: float = 600.0
     queue_timeout_s: float = 60.0
     max_queued: int = 256
+    # One client's share of the queue (its API key's, else its peer address's): one client cannot
+    # fill all max_queued places. None: a quarter of max_queued (at least 1).
+    max_queued_per_client: int | None = None
     retry_after_s: int = 1
     scrape_interval_s: float = 0.25
     scrape_timeout_s: float = 1.0
@@ -92,8 +99,8 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "kvscale_router_rejected_requests",
-            "Requests the router answered itself, by reason (invalid, queue_full, queue_timeout, "
-            "no_endpoint).",
+            "Requests the router answered itself, by reason (invalid, unauthorized, queue_full, "
+            "client_queue_full, queue_timeout, no_endpoint).",
             ["model", "reason"],
             registry=r,
         )
@@ -137,6 +144,13 @@ class _EndpointCollector:
     def collect(self):
         state = self.router.state
         yield GaugeMetricFamily("kvscale_router_endpoints", "Ready endpoints.", value=len(state.endpoints))
+        age = self.router.source_age()
+        if age is not None:
+            yield GaugeMetricFamily(
+                "kvscale_router_endpoints_age_seconds",
+                "Seconds since the endpoint source last heard from the API server.",
+                value=age,
+            )
         fams = {
             "in_flight": GaugeMetricFamily(
                 "kvscale_router_endpoint_in_flight_requests",
@@ -173,22 +187,39 @@ WAITING_COMMENT = b": waiting for a worker\n\n"
 
 class Router:
     def __init__(
-        self, state: RouterState, source, config: RouterConfig | None = None, waker: Waker | None = None
+        self,
+        state: RouterState,
+        source,
+        config: RouterConfig | None = None,
+        waker: Waker | None = None,
+        api_keys: KeyFile | None = None,
+        upstream_key: KeyFile | None = None,
     ) -> None:
+        """`api_keys`: the client keys the router accepts (None: no authentication);
+        `upstream_key`: the workers' key, which replaces the client's Authorization on the way
+        to a worker (None: the client's header goes through as it came)."""
         self.state, self.source, self.waker = state, source, waker
-        self.config = config or RouterConfig()
+        self.api_keys, self.upstream_key = api_keys, upstream_key
+        self.config = c = config or RouterConfig()
         self.metrics = RouterMetrics(self)
+        per_client = c.max_queued_per_client
         self.flow = FlowControl(
             state.choose,
             self._release,
-            max_queued=self.config.max_queued,
-            timeout_s=self.config.queue_timeout_s,
-            on_change=lambda model, d: self.metrics.queued.labels(self.metrics.model(model)).inc(d),
+            max_queued=c.max_queued,
+            timeout_s=c.queue_timeout_s,
+            on_change=lambda label, d: self.metrics.queued.labels(label).inc(d),
+            max_per_key=max(1, c.max_queued // 4) if per_client is None else per_client,
         )
         self.session: aiohttp.ClientSession | None = None
         self._scraper_task: asyncio.Task | None = None
 
     # -- inputs ---------------------------------------------------------------------------------
+    def source_age(self) -> float | None:
+        """Seconds since the endpoint source last heard from the API (sources may not say)."""
+        age = getattr(self.source, "age", None)
+        return age() if age is not None else None
+
     def set_endpoints(self, urls: list[str]) -> None:
         self.state.set_endpoints(urls)
         self.flow.dispatch()
@@ -256,9 +287,31 @@ class Router:
         return body, model, hashes, payload.get("stream") is True
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.upstream_key is not None:  # the client's key stops here; the workers get theirs
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            key = self.upstream_key.first()
+            if key is not None:
+                headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def authenticate(self, request: web.Request) -> str:
+        """The request's fairness key; raises a 401 APIError when keys are configured and the
+        request carries none of them (before its body is read: a stranger costs no upload)."""
+        who = None
+        if self.api_keys is not None:
+            who = self.api_keys.identify(request.headers.get("Authorization", ""))
+            if who is None:
+                self.metrics.rejected.labels("", "unauthorized").inc()
+                raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+        return client_key(who, request.remote)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            client = self.authenticate(request)
+        except APIError as e:
+            self.metrics.responses.labels("", str(e.status)).inc()
+            return _error(e)
         try:
             body, model, hashes, stream = await self._parse(request)
         except APIError as e:
@@ -267,7 +320,7 @@ class Router:
             return _error(e)
         label = self.metrics.model(model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, hashes, stream)
+        resp = await self._route(request, body, label, hashes, stream, client)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
@@ -279,12 +332,14 @@ class Router:
         if self.waker is not None and not self.state.endpoints:
             self.waker.wake()  # no worker ready: ask for one (single-flight)
 
-    async def _acquire(self, request: web.Request, label: str, hashes: list[int], stream: bool):
+    async def _acquire(
+        self, request: web.Request, label: str, hashes: list[int], stream: bool, client: str = ""
+    ):
         """(an endpoint from flow control, the stream's response if waiting started it). While the
         request waits: asks for a worker when none is ready, and a stream gets an SSE comment
         every heartbeat_s (its 200 and headers go with the first)."""
         self._wake()
-        acquire = asyncio.ensure_future(self.flow.acquire(label, hashes))
+        acquire = asyncio.ensure_future(self.flow.acquire(client or label, hashes, label))
         early: web.StreamResponse | None = None
         try:
             while True:
@@ -309,14 +364,32 @@ class Router:
             raise
 
     async def _route(
-        self, request: web.Request, body: bytes, label: str, hashes: list[int], stream: bool = False
+        self,
+        request: web.Request,
+        body: bytes,
+        label: str,
+        hashes: list[int],
+        stream: bool = False,
+        client: str = "",
     ) -> web.StreamResponse:
         c = self.config
         retry_after = {"Retry-After": str(c.retry_after_s)}
         queued_at = time.monotonic()
         early: web.StreamResponse | None = None
         try:
-            endpoint, early = await self._acquire(request, label, hashes, stream)
+            endpoint, early = await self._acquire(request, label, hashes, stream, client)
+        except ClientQueueFull:
+            return self._refuse(
+                label,
+                "client_queue_full",
+                APIError(
+                    429,
+                    f"this client already has {self.flow.max_per_key} requests waiting in the router",
+                    "rate_limit_exceeded",
+                    code="client_queue_full",
+                    headers=retry_after,
+                ),
+            )
         except QueueFull:
             return self._refuse(
                 label,
@@ -344,7 +417,9 @@ class Router:
             return await _as_event(getattr(e, "early", None), refusal)
         self.metrics.queue_wait.observe(time.monotonic() - queued_at)
         headers = self._forward_headers(request)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=c.connect_timeout_s, sock_read=c.read_timeout_s
+        )
         tried: list[str] = []
         last: tuple[int, bytes, dict[str, str]] | None = None
         while endpoint is not None:
@@ -394,6 +469,17 @@ class Router:
             upstream = await self.session.request(
                 request.method, endpoint + request.path_qs, data=body, headers=headers, timeout=timeout
             )
+        except aiohttp.SocketTimeoutError:
+            # The worker took the request and said nothing for read_timeout_s: it may still be
+            # working on it, so it is not sent to another (that would run it twice).
+            logger.warning("endpoint silent past the read timeout", extra={"endpoint": endpoint})
+            err = APIError(
+                504,
+                f"the worker sent nothing within {self.config.read_timeout_s:g}s",
+                "server_error",
+                code="upstream_timeout",
+            )
+            return await _as_event(early, _error(err))
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             logger.info(
                 "endpoint failed before the first byte", extra={"endpoint": endpoint, "error": repr(e)}
@@ -475,6 +561,7 @@ class Router:
     async def models(self, request: web.Request) -> web.StreamResponse:
         """Pass-through to one endpoint (any can answer: they serve the same model)."""
         assert self.session is not None
+        self.authenticate(request)
         timeout = aiohttp.ClientTimeout(total=10, sock_connect=self.config.connect_timeout_s)
         for endpoint in sorted(self.state.endpoints, key=lambda e: self.state.in_flight.get(e, 0)):
             try:
@@ -490,9 +577,19 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """503 until the first list; then 200, with the list's staleness reported: past the
+        watch's bound the router keeps routing to the endpoints it last knew (as kube-proxy does
+        while the API server is away) rather than turn an API outage into a data-plane one."""
         if not self.source.synced:
             return web.json_response({"status": "syncing"}, status=503)
-        return web.json_response({"status": "ready", "endpoints": len(self.state.endpoints)})
+        age = self.source_age()
+        stale = getattr(self.source, "stale", None)
+        body = {
+            "status": "stale" if stale is not None and stale() else "ready",
+            "endpoints": len(self.state.endpoints),
+            "endpoints_age_s": None if age is None else round(age, 1),
+        }
+        return web.json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
