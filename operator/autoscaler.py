@@ -7,8 +7,10 @@ operator is down; see docs/operator.md.) kopf runs only on the Lease holder (mai
 the leader scales.
 
 Every SCRAPE_INTERVAL_S the task takes its worker and router pods from the pod cache (pods.py:
-one label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
-`/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; the
+one label-selected watch for all resources, fed on the leader only; no LIST per tick), keeps
+those its owner references prove the operator's own (pods.Ownership: a label is no proof), reads
+`/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; at most
+SCRAPE_MAX_BYTES, streamed and abandoned past it, parsed off the event loop; the
 router's queue and arrivals are demand no worker reports yet), asks `autoscaling.decide`, and on a
 change patches the Deployment's scale subresource. A multi-node resource scales groups: its
 LeaderWorkerSet's scale subresource, each group one "worker" seen through its leader (rank 0, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -45,15 +48,26 @@ from kvscale.operator.autoscaling import (
     RouterLoad,
     Sample,
 )
-from kvscale.operator.children import AUTOSCALER_MANAGER, LWS_WORKER_INDEX, PORT, workload_key
+from kvscale.operator.children import (
+    AUTOSCALER_MANAGER,
+    LWS_WORKER_INDEX,
+    PORT,
+    router_name,
+    workload_key,
+)
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
-from kvscale.operator.pods import PodCache, PodFeeder
+from kvscale.operator.pods import Ownership, PodCache, PodFeeder, url_of
 from kvscale.operator.status import pruned
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_INTERVAL_S = 2.0
 SCRAPE_TIMEOUT_S = 1.5
+# A worker's exposition is ~20 KiB; a body past this is no worker's (a tenant's look-alike, a
+# bug): the pod counts as unreadable. The operator runs in 512Mi with kopf and the lease on one
+# event loop, so nothing it reads from a pod may be unbounded.
+SCRAPE_MAX_BYTES = 1 << 20
+SCRAPE_CHUNK = 64 << 10
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
@@ -140,14 +154,56 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
 
 
-async def scrape(session: aiohttp.ClientSession, ip: str, parse=parse_metrics) -> dict[str, float] | None:
+class TooLarge(Exception):
+    pass
+
+
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, read in chunks; TooLarge as soon as it passes `max_bytes` (the rest is never
+    read: the connection is dropped)."""
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise TooLarge(f"Content-Length {response.content_length}")
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(SCRAPE_CHUNK):
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def scrape(
+    session: aiohttp.ClientSession,
+    ip: str,
+    parse=parse_metrics,
+    *,
+    max_bytes: int = SCRAPE_MAX_BYTES,
+    timeout_s: float = SCRAPE_TIMEOUT_S,
+    port: int = PORT,
+) -> dict[str, float] | None:
+    """One pod's /metrics, parsed (in a thread: a large exposition must not stall the loop that
+    runs kopf and the lease), or None: refused, too slow (`timeout_s` for all of it, body
+    included), too large, or unparsable. The session must not decompress (`new_session`): a small
+    gzip body can inflate past any cap before a chunk reaches us."""
+    url = url_of(ip, port, "/metrics")
     try:
-        async with session.get(f"http://{ip}:{PORT}/metrics") as r:
-            if r.status != 200:
-                return None
-            return parse(await r.text())
+        async with asyncio.timeout(timeout_s):
+            async with session.get(url, allow_redirects=False, headers={"Accept-Encoding": "identity"}) as r:
+                if r.status != 200:
+                    return None
+                body = await read_capped(r, max_bytes)
+        return await asyncio.to_thread(parse, body.decode("utf-8", errors="replace"))
+    except TooLarge as e:
+        logger.warning("autoscaler: %s answered a body too large to read (%s): counted unreadable", url, e)
+        return None
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
+
+
+def new_session(timeout_s: float = SCRAPE_TIMEOUT_S) -> aiohttp.ClientSession:
+    """The scrapes' session: short timeouts, no decompression (see `scrape`)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, connect=timeout_s)
+    return aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
 
 
 def _now() -> str:
@@ -167,6 +223,7 @@ class Target:
     decisions: list[dict[str, Any]] | None = None
     last_status: dict[str, Any] | None = None
     last_status_at: float = 0.0
+    ignored: set[str] = field(default_factory=set)  # look-alike pods' uids, warned about once
 
     @property
     def body(self) -> dict[str, Any]:  # enough of the resource for kopf's event poster
@@ -174,9 +231,43 @@ class Target:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta}
 
 
+def read_owner(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The metadata of a link of a pod's owner chain (pods.Ownership), None when it is gone."""
+    api = _api()
+    apps = client.AppsV1Api(api)
+    reads = {
+        "ReplicaSet": apps.read_namespaced_replica_set,
+        "StatefulSet": apps.read_namespaced_stateful_set,
+        "Deployment": apps.read_namespaced_deployment,
+    }
+    try:
+        if kind == "LeaderWorkerSet":
+            body = client.CustomObjectsApi(api).get_namespaced_custom_object(
+                leaderworkerset.GROUP,
+                leaderworkerset.VERSION,
+                namespace,
+                leaderworkerset.PLURAL,
+                name,
+                _request_timeout=SCRAPE_TIMEOUT_S * 4,
+            )
+        elif kind in reads:
+            response = reads[kind](
+                name, namespace, _preload_content=False, _request_timeout=SCRAPE_TIMEOUT_S * 4
+            )
+            body = json.loads(response.data)
+        else:
+            return None
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return body.get("metadata") or {}
+
+
 _targets: dict[str, Target] = {}
 _pods = PodCache()
 _feeder = PodFeeder(_pods)
+_owners = Ownership(lambda kind, ns, name: read_owner(kind, ns, name))
 
 
 @kopf.on.startup()
@@ -220,8 +311,7 @@ async def track(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 async def _run(target: Target) -> None:
-    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, connect=SCRAPE_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with new_session() as session:
         while True:
             started = time.monotonic()
             try:
@@ -261,6 +351,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
         current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
         pods = _pods.of(ns, name)
+    pods = await _own(pods, target, name)
     states = {p.metadata.name: pod_state(p) for p in pods}
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
@@ -284,7 +375,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     sample = Sample(
         time.monotonic(),
         tuple(sorted(loads, key=lambda p: p.name)),
-        await _routers(session, _pods.routers_of(ns, name)),
+        await _routers(session, await _own(_pods.routers_of(ns, name), target, router_name(name))),
     )
     target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
     decision = target.scaler.decide(current, params)
@@ -293,6 +384,24 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         await _scale(target, pods, current, decision, grouped=grouped)
     await _report(target, decision, current)
     return decision
+
+
+async def _own(pods: list[client.V1Pod], target: Target, workload: str) -> list[client.V1Pod]:
+    """The pods the operator's workload `workload` created (pods.Ownership; reads off the loop)."""
+    if not pods:
+        return pods
+    owned = await asyncio.to_thread(lambda: [_owners.owned(p, target.uid, workload) for p in pods])
+    for p, ours in zip(pods, owned, strict=True):
+        if not ours and p.metadata.uid not in target.ignored:
+            target.ignored.add(p.metadata.uid)
+            logger.warning(
+                "autoscaler: %s/%s carries the labels of %s's pods but was not created by its "
+                "workload (owner references): ignored, never scraped",
+                target.namespace,
+                p.metadata.name,
+                target.name,
+            )
+    return [p for p, ours in zip(pods, owned, strict=True) if ours]
 
 
 async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> tuple[RouterLoad, ...]:

@@ -40,6 +40,8 @@ API_CALLS = {
     "list_namespaced_custom_object": (GROUP, PLURAL, "list", "namespaced"),
     "patch_namespaced_custom_object_status": (GROUP, f"{PLURAL}/status", "patch", "namespaced"),
     "read_namespaced_deployment": ("apps", "deployments", "get", "namespaced"),
+    "read_namespaced_replica_set": ("apps", "replicasets", "get", "namespaced"),
+    "read_namespaced_stateful_set": ("apps", "statefulsets", "get", "namespaced"),
     "patch_namespaced_deployment": ("apps", "deployments", "patch", "namespaced"),
     "list_deployment_for_all_namespaces": ("apps", "deployments", "list", "cluster"),
     "list_namespaced_deployment": ("apps", "deployments", "list", "namespaced"),
