@@ -40,10 +40,12 @@ from pydantic import ValidationError
 
 from kvscale.operator import leaderworkerset, metrics
 from kvscale.operator.autoscaling import (
+    STARTUP_SLACK_S,
     Autoscaler,
     Decision,
     Params,
     PodLoad,
+    PodState,
     PodTiming,
     RouterLoad,
     Sample,
@@ -127,12 +129,65 @@ def parse_router_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def pod_state(pod: client.V1Pod) -> str:
+# A worker that restarted this often without becoming Ready is crash-looping even between two
+# CrashLoopBackOff waits (while the kubelet runs it again, its state is `running`).
+CRASH_RESTARTS = 3
+# Waiting reasons of a container that cannot start until someone changes something.
+CANNOT_START = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+
+
+def _worker_status(status: client.V1PodStatus | None) -> client.V1ContainerStatus | None:
+    containers = (status and status.container_statuses) or []
+    return next((c for c in containers if c.name == WORKER_CONTAINER), containers[0] if containers else None)
+
+
+def pod_state(pod: client.V1Pod, now: float | None = None, startup_budget_s: float = 600.0) -> PodState:
+    """What a pod is to the autoscaler (autoscaling.PodState), from its status alone: `ready`,
+    `terminating`, `starting` (capacity on its way), or one that is not coming: `unschedulable`
+    (PodScheduled False, reason Unschedulable), `crashlooping` (a container waiting in
+    CrashLoopBackOff, or the worker restarted CRASH_RESTARTS times and not Ready), `stalled` (an
+    image or config error, or its container running past the startup budget, Unix time `now`,
+    without having been Ready since it started). A Ready pod that turned unready stays
+    `starting`: an overloaded worker failing its probe is no reason to scale it away."""
     if pod.metadata.deletion_timestamp is not None:
         return "terminating"
-    conditions = (pod.status and pod.status.conditions) or []
-    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    return "ready" if ready and pod.status.pod_ip else "starting"
+    status = pod.status
+    conditions = {c.type: c for c in (status and status.conditions) or []}
+    ready = conditions.get("Ready")
+    if ready is not None and ready.status == "True" and status.pod_ip:
+        return "ready"
+    scheduled = conditions.get("PodScheduled")
+    if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
+        return "unschedulable"
+    containers = [
+        *((status and status.init_container_statuses) or []),
+        *((status and status.container_statuses) or []),
+    ]
+    waiting = [
+        c.state.waiting.reason for c in containers if c.state is not None and c.state.waiting is not None
+    ]
+    if "CrashLoopBackOff" in waiting:
+        return "crashlooping"
+    worker = _worker_status(status)
+    if worker is not None and (worker.restart_count or 0) >= CRASH_RESTARTS:
+        return "crashlooping"
+    if CANNOT_START & set(waiting):
+        return "stalled"
+    running = worker.state.running if worker is not None and worker.state is not None else None
+    started = running.started_at.timestamp() if running is not None and running.started_at else None
+    if now is not None and started is not None and now - started > startup_budget_s + STARTUP_SLACK_S:
+        was_ready = ready is not None and ready.last_transition_time is not None
+        if not (was_ready and ready.last_transition_time.timestamp() > started):
+            return "stalled"  # not Ready once since its container started, past the budget
+    return "starting"
 
 
 def pod_timing(pod: client.V1Pod) -> PodTiming:
@@ -145,10 +200,7 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     ready_since = None
     if ready is not None and ready.status == "True" and ready.last_transition_time is not None:
         ready_since = ready.last_transition_time.timestamp()
-    containers = (status and status.container_statuses) or []
-    worker = next(
-        (c for c in containers if c.name == WORKER_CONTAINER), containers[0] if containers else None
-    )
+    worker = _worker_status(status)
     running = worker.state.running if worker is not None and worker.state is not None else None
     started = running.started_at.timestamp() if running is not None and running.started_at else None
     return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
@@ -352,7 +404,8 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
         pods = _pods.of(ns, name)
     pods = await _own(pods, target, name)
-    states = {p.metadata.name: pod_state(p) for p in pods}
+    wall = time.time()
+    states = {p.metadata.name: pod_state(p, wall, params.startup_budget_s) for p in pods}
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
     read = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
@@ -365,7 +418,7 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         loads.append(
             PodLoad(
                 p.metadata.name,
-                states[p.metadata.name],  # type: ignore[arg-type]
+                states[p.metadata.name],
                 kv_usage=m.get("kv_usage"),
                 waiting=m.get("waiting"),
                 running=m.get("running"),
@@ -463,6 +516,9 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
         "readyWorkers": s.ready if s else 0,
         "startingWorkers": s.starting if s else 0,
         "unreadableWorkers": s.unreadable if s else 0,
+        "unschedulableWorkers": s.unschedulable if s else 0,
+        "crashLoopingWorkers": s.crashlooping if s else 0,
+        "stalledWorkers": s.stalled if s else 0,
         "lookaheadSeconds": round(target.scaler.last_lookahead_s, 1),
         "kvCacheUsage": None if s is None or s.mean_kv is None else round(s.mean_kv, 2),
         "waitingRequests": None if s is None or s.mean_waiting is None else round(s.mean_waiting, 1),
