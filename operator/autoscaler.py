@@ -17,7 +17,8 @@ LeaderWorkerSet's scale subresource, each group one "worker" seen through its le
 pod that serves and reports the group's metrics). Before removing workers it marks the least
 loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
 exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
-Status carries the signals and the last decisions, written when they change (`_report`).
+Status carries the signals and the last decisions: decisions, counts and the condition when
+they change, the gauges at most once a minute (`_report`, status.autoscaler_status_due).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kvscale.operator.children import (
 )
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
 from kvscale.operator.pods import Ownership, PodCache, PodFeeder, url_of
-from kvscale.operator.status import pruned
+from kvscale.operator.status import STATUS_MIN_INTERVAL_S, autoscaler_status_due
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,6 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
 WORKER_CONTAINER = "worker"  # the container children.py runs kvscale-worker in
-STATUS_EVERY_S = 5.0  # signals are written at most this often (decisions at once)
 
 # Our metric names first, vLLM's as a fallback (so vLLM workers scale too).
 METRICS = {
@@ -509,7 +509,7 @@ async def _scale(
 
 
 async def _report(target: Target, decision: Decision, current: int) -> None:
-    """Signals and decisions into status: decisions at once, signals at most every STATUS_EVERY_S."""
+    """Signals and decisions into status when status.autoscaler_status_due says so."""
     s = decision.signals
     signals = {
         "desiredReplicas": decision.replicas,
@@ -525,11 +525,11 @@ async def _report(target: Target, decision: Decision, current: int) -> None:
         "lastDecisions": target.decisions or [],
     }
     now = time.monotonic()
-    previous = target.last_status or {}
-    if pruned(signals) == pruned(previous):
-        return  # on change only: an unchanged apply is still a request (and a new lastScrapeTime)
-    decided = previous.get("lastDecisions") != signals["lastDecisions"]
-    if not decided and now - target.last_status_at < STATUS_EVERY_S:
+    # On change only (an unchanged apply is still a request and a watch event), and the gauges
+    # at most once a minute (status.autoscaler_status_due).
+    if not autoscaler_status_due(
+        target.last_status, signals, target.last_status_at, now, STATUS_MIN_INTERVAL_S
+    ):
         return
     custom = client.CustomObjectsApi(_api())
     body = await asyncio.to_thread(

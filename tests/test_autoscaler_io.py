@@ -359,7 +359,7 @@ def test_a_new_leader_does_not_rewrite_what_the_object_already_shows(tick, monke
 
 
 def test_scrape_failures_are_counted_per_resource_and_a_change_is_written(tick, monkeypatch):
-    monkeypatch.setattr(autoscaler, "STATUS_EVERY_S", 0.0)
+    monkeypatch.setattr(autoscaler, "STATUS_MIN_INTERVAL_S", 0.0)  # the gauges too, at once
     tick.run()
     failures = counter(metrics.SCRAPE_FAILURES, "ns", "tiny")
     (one, _) = tick.cache.of("ns", "tiny")
