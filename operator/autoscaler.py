@@ -29,6 +29,7 @@ import datetime as dt
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from kvscale.operator.autoscaling import (
     PodTiming,
     RouterLoad,
     Sample,
+    confirms_idle,
 )
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
@@ -406,6 +408,33 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
     pods = await _own(pods, target, name)
     wall = time.time()
     states = {p.metadata.name: pod_state(p, wall, params.startup_budget_s) for p in pods}
+    sample = await _sample(session, pods, states, target)
+    target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
+    decision = target.scaler.decide(current, params)
+    metrics.decided(ns, name, current, decision.replicas)
+    zero = None
+    if decision.replicas == 0 and not grouped:
+        # Scale to zero rests on a scrape taken before the victims were marked (one API call
+        # each, up to 30 s on a slow API server): right before the write, a fresh scrape must
+        # confirm that nothing arrived since, and the write carries this tick's resourceVersion.
+
+        async def confirmed() -> bool:
+            return confirms_idle(sample, await _sample(session, pods, states, target))
+
+        zero = (confirmed, deployment.metadata.resource_version)
+    if decision.changed(current) and not await _scale(
+        target, pods, current, decision, grouped=grouped, zero=zero
+    ):
+        return decision  # withheld: the next tick decides again, on what it sees then
+    await _report(target, decision, current)
+    return decision
+
+
+async def _sample(
+    session: aiohttp.ClientSession, pods: list[client.V1Pod], states: dict[str, PodState], target: Target
+) -> Sample:
+    """One scrape of the ready workers and the resource's routers."""
+    ns, name = target.namespace, target.name
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
     read = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
@@ -425,18 +454,11 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
                 arrivals=m.get("arrivals"),
             )
         )
-    sample = Sample(
+    return Sample(
         time.monotonic(),
         tuple(sorted(loads, key=lambda p: p.name)),
         await _routers(session, await _own(_pods.routers_of(ns, name), target, router_name(name))),
     )
-    target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
-    decision = target.scaler.decide(current, params)
-    metrics.decided(ns, name, current, decision.replicas)
-    if decision.changed(current):
-        await _scale(target, pods, current, decision, grouped=grouped)
-    await _report(target, decision, current)
-    return decision
 
 
 async def _own(pods: list[client.V1Pod], target: Target, workload: str) -> list[client.V1Pod]:
@@ -468,8 +490,17 @@ async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> 
 
 
 async def _scale(
-    target: Target, pods: list[client.V1Pod], current: int, decision: Decision, *, grouped: bool = False
-) -> None:
+    target: Target,
+    pods: list[client.V1Pod],
+    current: int,
+    decision: Decision,
+    *,
+    grouped: bool = False,
+    zero: tuple[Callable[[], Awaitable[bool]], str] | None = None,
+) -> bool:
+    """Mark the victims and write the count; False when it was withheld. `zero`, for a scale to
+    zero: (a check that the resource is still idle, the Deployment's resourceVersion as read this
+    tick): withheld when the check fails or the Deployment changed since (409)."""
     apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
     name, ns = target.name, target.namespace
     victims = () if grouped else decision.victims
@@ -489,7 +520,26 @@ async def _scale(
                 cost = VICTIM_COST if victim else None
                 patch = {"metadata": {"annotations": {DELETION_COST: cost}}}
                 await asyncio.to_thread(core.patch_namespaced_pod, p.metadata.name, ns, patch)
-    if not grouped:
+    if zero is not None and not await zero[0]():
+        logger.info("autoscaler: %s/%s: a request arrived since the decision: not scaled to zero", ns, name)
+        return False
+    if not grouped and zero is not None:
+        body = {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {"name": name, "namespace": ns, "resourceVersion": zero[1]},
+            "spec": {"replicas": decision.replicas},
+        }
+        try:
+            await asyncio.to_thread(
+                apps.replace_namespaced_deployment_scale, name, ns, body, field_manager=AUTOSCALER_MANAGER
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            logger.info("autoscaler: %s/%s changed since this tick's read: not scaled to zero", ns, name)
+            return False
+    elif not grouped:
         await asyncio.to_thread(
             apps.patch_namespaced_deployment_scale,
             name,
@@ -506,6 +556,7 @@ async def _scale(
     target.decisions = [*(target.decisions or []), record][-KEEP_DECISIONS:]
     logger.info("autoscaler: %s/%s %s", ns, name, record["reason"])
     kopf.info(target.body, reason="Scaled", message=record["reason"])
+    return True
 
 
 async def _report(target: Target, decision: Decision, current: int) -> None:

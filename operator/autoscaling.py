@@ -331,6 +331,21 @@ def idle_for(history: Sequence[Sample], now: float, seconds: float) -> bool:
     )
 
 
+def confirms_idle(decided: Sample, fresh: Sample) -> bool:
+    """Whether a scrape taken just before writing 0 (`fresh`) confirms the idleness `decided` was
+    judged on: idle now, every router and worker of the decision read again (an unread one is
+    busy), and no arrival counter moved in between. The scale-to-zero decision rests on samples
+    2-4 s old; a request that reached the router in that gap would otherwise be cut by the drain."""
+    if not idle(fresh):
+        return False
+    if {r.name for r in decided.routers} - {r.name for r in fresh.routers if r.arrivals is not None}:
+        return False  # a router of the decision that could not be read again
+    return not (
+        sum(_arrival_deltas(decided, fresh, routers=True))
+        + sum(_arrival_deltas(decided, fresh, routers=False))
+    )
+
+
 def _projected(history: Sequence[Sample], now: float, params: Params, demand: float) -> tuple[float, str]:
     """The KV demand (workers at target) expected `lookahead_s` ahead, from `demand` now; and how
     it was projected. Demand is scaled with the trend of the arrival rate: unlike KV usage, arrivals

@@ -46,6 +46,7 @@ API_CALLS = {
     "list_deployment_for_all_namespaces": ("apps", "deployments", "list", "cluster"),
     "list_namespaced_deployment": ("apps", "deployments", "list", "namespaced"),
     "patch_namespaced_deployment_scale": ("apps", "deployments/scale", "patch", "namespaced"),
+    "replace_namespaced_deployment_scale": ("apps", "deployments/scale", "update", "namespaced"),
     "read_namespaced_service": ("", "services", "get", "namespaced"),
     "patch_namespaced_service": ("", "services", "patch", "namespaced"),
     "list_service_for_all_namespaces": ("", "services", "list", "cluster"),
