@@ -37,6 +37,7 @@ from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
 from kvscale.operator.children import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
+from kvscale.operator.models import KIND
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ def controller_of(meta: Mapping[str, Any] | client.V1ObjectMeta | None) -> Owner
 
 # Who may own whom on the way up from a pod: (the pod's controller, its controller) per workload.
 CHAINS = (("ReplicaSet", "Deployment"), ("StatefulSet", "LeaderWorkerSet"))
-ROOT_KIND = "InferenceDeployment"
+ROOT_KIND = KIND
 # (kind, namespace, name) -> that object's metadata (a dict), None when it does not exist.
 OwnerReader = Callable[[str, str, str], Mapping[str, Any] | None]
 
