@@ -468,6 +468,8 @@ async def _own(pods: list[client.V1Pod], target: Target, workload: str) -> list[
     owned = await asyncio.to_thread(lambda: [_owners.owned(p, target.uid, workload) for p in pods])
     for p, ours in zip(pods, owned, strict=True):
         if not ours and p.metadata.uid not in target.ignored:
+            if len(target.ignored) > 1024:  # bounded: a tenant churning look-alike pods
+                target.ignored.clear()
             target.ignored.add(p.metadata.uid)
             logger.warning(
                 "autoscaler: %s/%s carries the labels of %s's pods but was not created by its "
