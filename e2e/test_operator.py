@@ -653,7 +653,12 @@ def test_only_the_lease_holder_acts(operator):
 
 # Granted for the autoscaler alone: exercised only when e2e/test_autoscaling.py runs too. (Pods
 # list and watch are not: the leader's pod cache, operator/pods.py, sends them from its start.)
-AUTOSCALER_GRANTS = {("", "pods", "patch"), ("apps", "deployments/scale", "patch")}
+# replicasets get: the owner chain of each scraped pod (pods.Ownership).
+AUTOSCALER_GRANTS = {
+    ("", "pods", "patch"),
+    ("apps", "deployments/scale", "patch"),
+    ("apps", "replicasets", "get"),
+}
 # Never sent: the OwnerReferencesPermissionEnforcement admission plugin (on in e2e/controlplane)
 # asks the authorizer for them on our children's writes (blockOwnerDeletion; adopting an orphan).
 # Proven by no write being refused by that plugin (below), not by the audit log's requests.
@@ -685,6 +690,7 @@ POOL_GRANTS = {
 # subresource only by the autoscaler of an autoscaled group, which no e2e test runs yet.
 LWS_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "list", "patch", "create")}
 LWS_SCALE_GRANTS = {("leaderworkerset.x-k8s.io", "leaderworkersets/scale", v) for v in ("get", "patch")}
+LWS_SCALE_GRANTS.add(("apps", "statefulsets", "get"))  # an autoscaled group leader's owner chain
 OPERATOR_SA = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": OPERATOR_NS}
 
 

@@ -7,15 +7,18 @@ operator is down; see docs/operator.md.) kopf runs only on the Lease holder (mai
 the leader scales.
 
 Every SCRAPE_INTERVAL_S the task takes its worker and router pods from the pod cache (pods.py:
-one label-selected watch for all resources, fed on the leader only; no LIST per tick), reads
-`/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; the
+one label-selected watch for all resources, fed on the leader only; no LIST per tick), keeps
+those its owner references prove the operator's own (pods.Ownership: a label is no proof), reads
+`/metrics` from each ready one directly (pod IP and port, short timeouts, in parallel; at most
+SCRAPE_MAX_BYTES, streamed and abandoned past it, parsed off the event loop; the
 router's queue and arrivals are demand no worker reports yet), asks `autoscaling.decide`, and on a
 change patches the Deployment's scale subresource. A multi-node resource scales groups: its
 LeaderWorkerSet's scale subresource, each group one "worker" seen through its leader (rank 0, the
 pod that serves and reports the group's metrics). Before removing workers it marks the least
 loaded with `controller.kubernetes.io/pod-deletion-cost`, so the ReplicaSet controller removes
 exactly those; they then drain (preStop, SIGTERM, the worker finishes in-flight requests).
-Status carries the signals and the last decisions, written when they change (`_report`).
+Status carries the signals and the last decisions: decisions, counts and the condition when
+they change, the gauges at most once a minute (`_report`, status.autoscaler_status_due).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,28 +42,41 @@ from pydantic import ValidationError
 
 from kvscale.operator import leaderworkerset, metrics
 from kvscale.operator.autoscaling import (
+    STARTUP_SLACK_S,
     Autoscaler,
     Decision,
     Params,
     PodLoad,
+    PodState,
     PodTiming,
     RouterLoad,
     Sample,
+    confirms_idle,
 )
-from kvscale.operator.children import AUTOSCALER_MANAGER, LWS_WORKER_INDEX, PORT, workload_key
+from kvscale.operator.children import (
+    AUTOSCALER_MANAGER,
+    LWS_WORKER_INDEX,
+    PORT,
+    router_name,
+    workload_key,
+)
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec
-from kvscale.operator.pods import PodCache, PodFeeder
-from kvscale.operator.status import pruned
+from kvscale.operator.pods import Ownership, PodCache, PodFeeder, url_of
+from kvscale.operator.status import STATUS_MIN_INTERVAL_S, autoscaler_status_due
 
 logger = logging.getLogger(__name__)
 
 SCRAPE_INTERVAL_S = 2.0
 SCRAPE_TIMEOUT_S = 1.5
+# A worker's exposition is ~20 KiB; a body past this is no worker's (a tenant's look-alike, a
+# bug): the pod counts as unreadable. The operator runs in 512Mi with kopf and the lease on one
+# event loop, so nothing it reads from a pod may be unbounded.
+SCRAPE_MAX_BYTES = 1 << 20
+SCRAPE_CHUNK = 64 << 10
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
 WORKER_CONTAINER = "worker"  # the container children.py runs kvscale-worker in
-STATUS_EVERY_S = 5.0  # signals are written at most this often (decisions at once)
 
 # Our metric names first, vLLM's as a fallback (so vLLM workers scale too).
 METRICS = {
@@ -113,12 +131,65 @@ def parse_router_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def pod_state(pod: client.V1Pod) -> str:
+# A worker that restarted this often without becoming Ready is crash-looping even between two
+# CrashLoopBackOff waits (while the kubelet runs it again, its state is `running`).
+CRASH_RESTARTS = 3
+# Waiting reasons of a container that cannot start until someone changes something.
+CANNOT_START = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+
+
+def _worker_status(status: client.V1PodStatus | None) -> client.V1ContainerStatus | None:
+    containers = (status and status.container_statuses) or []
+    return next((c for c in containers if c.name == WORKER_CONTAINER), containers[0] if containers else None)
+
+
+def pod_state(pod: client.V1Pod, now: float | None = None, startup_budget_s: float = 600.0) -> PodState:
+    """What a pod is to the autoscaler (autoscaling.PodState), from its status alone: `ready`,
+    `terminating`, `starting` (capacity on its way), or one that is not coming: `unschedulable`
+    (PodScheduled False, reason Unschedulable), `crashlooping` (a container waiting in
+    CrashLoopBackOff, or the worker restarted CRASH_RESTARTS times and not Ready), `stalled` (an
+    image or config error, or its container running past the startup budget, Unix time `now`,
+    without having been Ready since it started). A Ready pod that turned unready stays
+    `starting`: an overloaded worker failing its probe is no reason to scale it away."""
     if pod.metadata.deletion_timestamp is not None:
         return "terminating"
-    conditions = (pod.status and pod.status.conditions) or []
-    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    return "ready" if ready and pod.status.pod_ip else "starting"
+    status = pod.status
+    conditions = {c.type: c for c in (status and status.conditions) or []}
+    ready = conditions.get("Ready")
+    if ready is not None and ready.status == "True" and status.pod_ip:
+        return "ready"
+    scheduled = conditions.get("PodScheduled")
+    if scheduled is not None and scheduled.status == "False" and scheduled.reason == "Unschedulable":
+        return "unschedulable"
+    containers = [
+        *((status and status.init_container_statuses) or []),
+        *((status and status.container_statuses) or []),
+    ]
+    waiting = [
+        c.state.waiting.reason for c in containers if c.state is not None and c.state.waiting is not None
+    ]
+    if "CrashLoopBackOff" in waiting:
+        return "crashlooping"
+    worker = _worker_status(status)
+    if worker is not None and (worker.restart_count or 0) >= CRASH_RESTARTS:
+        return "crashlooping"
+    if CANNOT_START & set(waiting):
+        return "stalled"
+    running = worker.state.running if worker is not None and worker.state is not None else None
+    started = running.started_at.timestamp() if running is not None and running.started_at else None
+    if now is not None and started is not None and now - started > startup_budget_s + STARTUP_SLACK_S:
+        was_ready = ready is not None and ready.last_transition_time is not None
+        if not (was_ready and ready.last_transition_time.timestamp() > started):
+            return "stalled"  # not Ready once since its container started, past the budget
+    return "starting"
 
 
 def pod_timing(pod: client.V1Pod) -> PodTiming:
@@ -131,23 +202,62 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     ready_since = None
     if ready is not None and ready.status == "True" and ready.last_transition_time is not None:
         ready_since = ready.last_transition_time.timestamp()
-    containers = (status and status.container_statuses) or []
-    worker = next(
-        (c for c in containers if c.name == WORKER_CONTAINER), containers[0] if containers else None
-    )
+    worker = _worker_status(status)
     running = worker.state.running if worker is not None and worker.state is not None else None
     started = running.started_at.timestamp() if running is not None and running.started_at else None
     return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
 
 
-async def scrape(session: aiohttp.ClientSession, ip: str, parse=parse_metrics) -> dict[str, float] | None:
+class TooLarge(Exception):
+    pass
+
+
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The body, read in chunks; TooLarge as soon as it passes `max_bytes` (the rest is never
+    read: the connection is dropped)."""
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise TooLarge(f"Content-Length {response.content_length}")
+    chunks, size = [], 0
+    async for chunk in response.content.iter_chunked(SCRAPE_CHUNK):
+        size += len(chunk)
+        if size > max_bytes:
+            raise TooLarge(f"over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def scrape(
+    session: aiohttp.ClientSession,
+    ip: str,
+    parse=parse_metrics,
+    *,
+    max_bytes: int = SCRAPE_MAX_BYTES,
+    timeout_s: float = SCRAPE_TIMEOUT_S,
+    port: int = PORT,
+) -> dict[str, float] | None:
+    """One pod's /metrics, parsed (in a thread: a large exposition must not stall the loop that
+    runs kopf and the lease), or None: refused, too slow (`timeout_s` for all of it, body
+    included), too large, or unparsable. The session must not decompress (`new_session`): a small
+    gzip body can inflate past any cap before a chunk reaches us."""
+    url = url_of(ip, port, "/metrics")
     try:
-        async with session.get(f"http://{ip}:{PORT}/metrics") as r:
-            if r.status != 200:
-                return None
-            return parse(await r.text())
+        async with asyncio.timeout(timeout_s):
+            async with session.get(url, allow_redirects=False, headers={"Accept-Encoding": "identity"}) as r:
+                if r.status != 200:
+                    return None
+                body = await read_capped(r, max_bytes)
+        return await asyncio.to_thread(parse, body.decode("utf-8", errors="replace"))
+    except TooLarge as e:
+        logger.warning("autoscaler: %s answered a body too large to read (%s): counted unreadable", url, e)
+        return None
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
+
+
+def new_session(timeout_s: float = SCRAPE_TIMEOUT_S) -> aiohttp.ClientSession:
+    """The scrapes' session: short timeouts, no decompression (see `scrape`)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, connect=timeout_s)
+    return aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
 
 
 def _now() -> str:
@@ -167,6 +277,7 @@ class Target:
     decisions: list[dict[str, Any]] | None = None
     last_status: dict[str, Any] | None = None
     last_status_at: float = 0.0
+    ignored: set[str] = field(default_factory=set)  # look-alike pods' uids, warned about once
 
     @property
     def body(self) -> dict[str, Any]:  # enough of the resource for kopf's event poster
@@ -174,9 +285,43 @@ class Target:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": meta}
 
 
+def read_owner(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The metadata of a link of a pod's owner chain (pods.Ownership), None when it is gone."""
+    api = _api()
+    apps = client.AppsV1Api(api)
+    reads = {
+        "ReplicaSet": apps.read_namespaced_replica_set,
+        "StatefulSet": apps.read_namespaced_stateful_set,
+        "Deployment": apps.read_namespaced_deployment,
+    }
+    try:
+        if kind == "LeaderWorkerSet":
+            body = client.CustomObjectsApi(api).get_namespaced_custom_object(
+                leaderworkerset.GROUP,
+                leaderworkerset.VERSION,
+                namespace,
+                leaderworkerset.PLURAL,
+                name,
+                _request_timeout=SCRAPE_TIMEOUT_S * 4,
+            )
+        elif kind in reads:
+            response = reads[kind](
+                name, namespace, _preload_content=False, _request_timeout=SCRAPE_TIMEOUT_S * 4
+            )
+            body = json.loads(response.data)
+        else:
+            return None
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    return body.get("metadata") or {}
+
+
 _targets: dict[str, Target] = {}
 _pods = PodCache()
 _feeder = PodFeeder(_pods)
+_owners = Ownership(lambda kind, ns, name: read_owner(kind, ns, name))
 
 
 @kopf.on.startup()
@@ -220,8 +365,7 @@ async def track(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 
 async def _run(target: Target) -> None:
-    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, connect=SCRAPE_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with new_session() as session:
         while True:
             started = time.monotonic()
             try:
@@ -261,7 +405,36 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         deployment = await asyncio.to_thread(apps.read_namespaced_deployment, name, ns)
         current = deployment.spec.replicas if deployment.spec.replicas is not None else 1
         pods = _pods.of(ns, name)
-    states = {p.metadata.name: pod_state(p) for p in pods}
+    pods = await _own(pods, target, name)
+    wall = time.time()
+    states = {p.metadata.name: pod_state(p, wall, params.startup_budget_s) for p in pods}
+    sample = await _sample(session, pods, states, target)
+    target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
+    decision = target.scaler.decide(current, params)
+    metrics.decided(ns, name, current, decision.replicas)
+    zero = None
+    if decision.replicas == 0 and not grouped:
+        # Scale to zero rests on a scrape taken before the victims were marked (one API call
+        # each, up to 30 s on a slow API server): right before the write, a fresh scrape must
+        # confirm that nothing arrived since, and the write carries this tick's resourceVersion.
+
+        async def confirmed() -> bool:
+            return confirms_idle(sample, await _sample(session, pods, states, target))
+
+        zero = (confirmed, deployment.metadata.resource_version)
+    if decision.changed(current) and not await _scale(
+        target, pods, current, decision, grouped=grouped, zero=zero
+    ):
+        return decision  # withheld: the next tick decides again, on what it sees then
+    await _report(target, decision, current)
+    return decision
+
+
+async def _sample(
+    session: aiohttp.ClientSession, pods: list[client.V1Pod], states: dict[str, PodState], target: Target
+) -> Sample:
+    """One scrape of the ready workers and the resource's routers."""
+    ns, name = target.namespace, target.name
     ready = [p for p in pods if states[p.metadata.name] == "ready"]
     scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip) for p in ready))
     read = {p.metadata.name: m for p, m in zip(ready, scraped, strict=True)}
@@ -274,25 +447,38 @@ async def step(target: Target, session: aiohttp.ClientSession) -> Decision | Non
         loads.append(
             PodLoad(
                 p.metadata.name,
-                states[p.metadata.name],  # type: ignore[arg-type]
+                states[p.metadata.name],
                 kv_usage=m.get("kv_usage"),
                 waiting=m.get("waiting"),
                 running=m.get("running"),
                 arrivals=m.get("arrivals"),
             )
         )
-    sample = Sample(
+    return Sample(
         time.monotonic(),
         tuple(sorted(loads, key=lambda p: p.name)),
-        await _routers(session, _pods.routers_of(ns, name)),
+        await _routers(session, await _own(_pods.routers_of(ns, name), target, router_name(name))),
     )
-    target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
-    decision = target.scaler.decide(current, params)
-    metrics.decided(ns, name, current, decision.replicas)
-    if decision.changed(current):
-        await _scale(target, pods, current, decision, grouped=grouped)
-    await _report(target, decision, current)
-    return decision
+
+
+async def _own(pods: list[client.V1Pod], target: Target, workload: str) -> list[client.V1Pod]:
+    """The pods the operator's workload `workload` created (pods.Ownership; reads off the loop)."""
+    if not pods:
+        return pods
+    owned = await asyncio.to_thread(lambda: [_owners.owned(p, target.uid, workload) for p in pods])
+    for p, ours in zip(pods, owned, strict=True):
+        if not ours and p.metadata.uid not in target.ignored:
+            if len(target.ignored) > 1024:  # bounded: a tenant churning look-alike pods
+                target.ignored.clear()
+            target.ignored.add(p.metadata.uid)
+            logger.warning(
+                "autoscaler: %s/%s carries the labels of %s's pods but was not created by its "
+                "workload (owner references): ignored, never scraped",
+                target.namespace,
+                p.metadata.name,
+                target.name,
+            )
+    return [p for p, ours in zip(pods, owned, strict=True) if ours]
 
 
 async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> tuple[RouterLoad, ...]:
@@ -306,8 +492,17 @@ async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> 
 
 
 async def _scale(
-    target: Target, pods: list[client.V1Pod], current: int, decision: Decision, *, grouped: bool = False
-) -> None:
+    target: Target,
+    pods: list[client.V1Pod],
+    current: int,
+    decision: Decision,
+    *,
+    grouped: bool = False,
+    zero: tuple[Callable[[], Awaitable[bool]], str] | None = None,
+) -> bool:
+    """Mark the victims and write the count; False when it was withheld. `zero`, for a scale to
+    zero: (a check that the resource is still idle, the Deployment's resourceVersion as read this
+    tick): withheld when the check fails or the Deployment changed since (409)."""
     apps, core = client.AppsV1Api(_api()), client.CoreV1Api(_api())
     name, ns = target.name, target.namespace
     victims = () if grouped else decision.victims
@@ -327,7 +522,26 @@ async def _scale(
                 cost = VICTIM_COST if victim else None
                 patch = {"metadata": {"annotations": {DELETION_COST: cost}}}
                 await asyncio.to_thread(core.patch_namespaced_pod, p.metadata.name, ns, patch)
-    if not grouped:
+    if zero is not None and not await zero[0]():
+        logger.info("autoscaler: %s/%s: a request arrived since the decision: not scaled to zero", ns, name)
+        return False
+    if not grouped and zero is not None:
+        body = {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {"name": name, "namespace": ns, "resourceVersion": zero[1]},
+            "spec": {"replicas": decision.replicas},
+        }
+        try:
+            await asyncio.to_thread(
+                apps.replace_namespaced_deployment_scale, name, ns, body, field_manager=AUTOSCALER_MANAGER
+            )
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            logger.info("autoscaler: %s/%s changed since this tick's read: not scaled to zero", ns, name)
+            return False
+    elif not grouped:
         await asyncio.to_thread(
             apps.patch_namespaced_deployment_scale,
             name,
@@ -344,27 +558,31 @@ async def _scale(
     target.decisions = [*(target.decisions or []), record][-KEEP_DECISIONS:]
     logger.info("autoscaler: %s/%s %s", ns, name, record["reason"])
     kopf.info(target.body, reason="Scaled", message=record["reason"])
+    return True
 
 
 async def _report(target: Target, decision: Decision, current: int) -> None:
-    """Signals and decisions into status: decisions at once, signals at most every STATUS_EVERY_S."""
+    """Signals and decisions into status when status.autoscaler_status_due says so."""
     s = decision.signals
     signals = {
         "desiredReplicas": decision.replicas,
         "readyWorkers": s.ready if s else 0,
         "startingWorkers": s.starting if s else 0,
         "unreadableWorkers": s.unreadable if s else 0,
+        "unschedulableWorkers": s.unschedulable if s else 0,
+        "crashLoopingWorkers": s.crashlooping if s else 0,
+        "stalledWorkers": s.stalled if s else 0,
         "lookaheadSeconds": round(target.scaler.last_lookahead_s, 1),
         "kvCacheUsage": None if s is None or s.mean_kv is None else round(s.mean_kv, 2),
         "waitingRequests": None if s is None or s.mean_waiting is None else round(s.mean_waiting, 1),
         "lastDecisions": target.decisions or [],
     }
     now = time.monotonic()
-    previous = target.last_status or {}
-    if pruned(signals) == pruned(previous):
-        return  # on change only: an unchanged apply is still a request (and a new lastScrapeTime)
-    decided = previous.get("lastDecisions") != signals["lastDecisions"]
-    if not decided and now - target.last_status_at < STATUS_EVERY_S:
+    # On change only (an unchanged apply is still a request and a watch event), and the gauges
+    # at most once a minute (status.autoscaler_status_due).
+    if not autoscaler_status_due(
+        target.last_status, signals, target.last_status_at, now, STATUS_MIN_INTERVAL_S
+    ):
         return
     custom = client.CustomObjectsApi(_api())
     body = await asyncio.to_thread(

@@ -25,7 +25,12 @@ they will absorb, so only KV usage (work in flight, which a backlog cannot infla
 worker) may add more, and only beyond the replicas already asked for. The same holds while the
 queue shrinks over the up-window: requests queued on a worker are served by that worker, so a
 backlog being worked off is no reason for more workers. Nothing scales down while workers are
-starting or terminating.
+starting (within their startup budget) or terminating. A pod that is not coming is not
+"starting": one the scheduler cannot place (`unschedulable`), one whose container crash-loops
+(`crashlooping`), or one that cannot start or has not become Ready within the startup budget
+(`stalled`) neither freezes scale-down, scale to zero nor the queue signal; it is the first pod a
+scale-down removes (the ReplicaSet controller removes unscheduled and not-ready pods before
+ready ones whatever their deletion cost, so the victims named are the ones that go).
 
 A new worker serves only after it has loaded its model, so a rising load is met where it will be
 then: the KV demand is scaled by the growth of the arrival rate (the workers' request counters),
@@ -56,7 +61,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-PodState = Literal["ready", "starting", "terminating"]
+PodState = Literal["ready", "starting", "terminating", "unschedulable", "crashlooping", "stalled"]
+# Pods that are not coming: not capacity on its way, never a reason to hold.
+STUCK: frozenset[str] = frozenset({"unschedulable", "crashlooping", "stalled"})
 EPS = 1e-9  # float noise must not turn "exactly at target" into one more worker
 # One-sided: a flat Poisson load's slope clears 3.5 standard errors about 2 times in 10,000
 # windows, so its noise practically never adds a worker, even projected over the whole startup
@@ -163,6 +170,14 @@ class Signals:
     demand_kv: float  # workers needed at the KV target, unrounded
     down: int | None  # fewest workers the load fits on with the margin (None: cannot tell)
     router_queued: float = 0.0  # of total_waiting: held at the router
+    unschedulable: int = 0
+    crashlooping: int = 0
+    stalled: int = 0
+
+    @property
+    def stuck(self) -> int:
+        """Pods that are not coming (STUCK)."""
+        return self.unschedulable + self.crashlooping + self.stalled
 
     @property
     def unreadable(self) -> int:
@@ -228,6 +243,9 @@ def signals(sample: Sample, params: Params) -> Signals:
         demand_kv=demand_kv,
         down=down,
         router_queued=sample.router_queued,
+        unschedulable=sum(p.state == "unschedulable" for p in sample.pods),
+        crashlooping=sum(p.state == "crashlooping" for p in sample.pods),
+        stalled=sum(p.state == "stalled" for p in sample.pods),
     )
 
 
@@ -313,6 +331,21 @@ def idle_for(history: Sequence[Sample], now: float, seconds: float) -> bool:
     )
 
 
+def confirms_idle(decided: Sample, fresh: Sample) -> bool:
+    """Whether a scrape taken just before writing 0 (`fresh`) confirms the idleness `decided` was
+    judged on: idle now, every router and worker of the decision read again (an unread one is
+    busy), and no arrival counter moved in between. The scale-to-zero decision rests on samples
+    2-4 s old; a request that reached the router in that gap would otherwise be cut by the drain."""
+    if not idle(fresh):
+        return False
+    if {r.name for r in decided.routers} - {r.name for r in fresh.routers if r.arrivals is not None}:
+        return False  # a router of the decision that could not be read again
+    return not (
+        sum(_arrival_deltas(decided, fresh, routers=True))
+        + sum(_arrival_deltas(decided, fresh, routers=False))
+    )
+
+
 def _projected(history: Sequence[Sample], now: float, params: Params, demand: float) -> tuple[float, str]:
     """The KV demand (workers at target) expected `lookahead_s` ahead, from `demand` now; and how
     it was projected. Demand is scaled with the trend of the arrival rate: unlike KV usage, arrivals
@@ -354,17 +387,30 @@ def _projected(history: Sequence[Sample], now: float, params: Params, demand: fl
 
 
 def least_loaded(pods: Sequence[PodLoad], count: int) -> tuple[str, ...]:
-    """The `count` ready workers with the least work in flight: fewest requests (running and
-    waiting: what its drain must finish), then least KV usage."""
+    """The `count` pods to remove: first those that are not coming (STUCK: the ReplicaSet
+    controller removes unscheduled and not-ready pods first anyway), then the ready workers with
+    the least work in flight: fewest requests (running and waiting: what its drain must finish),
+    then least KV usage."""
+    stuck = sorted(p.name for p in pods if p.state in STUCK)
     ready = [p for p in pods if p.state == "ready"]
     ranked = sorted(ready, key=lambda p: ((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0, p.name))
-    return tuple(p.name for p in ranked[:count])
+    return tuple([*stuck, *(p.name for p in ranked)][:count])
 
 
 def _fmt(s: Signals, params: Params) -> str:
     kv = "?" if s.mean_kv is None else f"{s.mean_kv:.2f}"
     q = "?" if s.mean_waiting is None else f"{s.mean_waiting:.1f}"
     unread = f", {s.unreadable} unreadable (counted at target)" if s.unreadable else ""
+    stuck = ", ".join(
+        f"{n} {what}"
+        for n, what in (
+            (s.unschedulable, "unschedulable"),
+            (s.crashlooping, "crash-looping"),
+            (s.stalled, "stalled"),
+        )
+        if n
+    )
+    unread += f", {stuck}" if stuck else ""
     held = f" ({s.router_queued:g} at the router)" if s.router_queued else ""
     return (
         f"KV usage {kv} (target {params.target_kv_usage:g}), waiting {q}/worker{held} "
@@ -388,12 +434,15 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
     if current == 0:  # the router asks for the first worker when a request arrives (wake.py)
         return Decision(0, "at zero: the router asks for a worker when a request arrives", latest)
     if latest.ready == 0:
-        return Decision(current, f"holding: no worker ready ({latest.starting} starting)", latest)
+        stuck = f", {latest.stuck} not coming" if latest.stuck else ""
+        return Decision(current, f"holding: no worker ready ({latest.starting} starting{stuck})", latest)
     text = _fmt(latest, params)
 
     # Up: the lowest recommendation of the up-window, so the signals must *stay* above target.
     up_samples, up_covered = _window(history, now, params.up_window_s)
-    loading = latest.starting > 0 or latest.ready + latest.terminating < current
+    # Capacity on its way: pods starting, or pods asked for that no sample shows yet. Pods that
+    # are not coming (unschedulable, crash-looping, stalled) are none: they never hold.
+    loading = latest.starting > 0 or latest.ready + latest.terminating + latest.stuck < current
     up_signals = [signals(s, params) for s in up_samples]
     # A queue counts only while it is not being worked off: while workers load (they will absorb
     # it) or while it shrinks (a backlog the ready workers are draining), only KV usage may add

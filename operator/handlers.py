@@ -18,9 +18,12 @@ autoscaler owns its own fields, status.py). Everything calls it:
   model download stands (status.pod_download) and refreshes the status when that changes: a
   download that starts, ends or fails (a crash loop of the init container is one change).
 
-No kopf timer or daemon: kopf puts a finalizer on every resource that has one. A 4xx from the
-API server is permanent for that generation (status and one event, no retry until the spec
-changes); a 5xx or a timeout is retried. kopf keeps its bookkeeping in status.kopf, never in
+No kopf timer or daemon: kopf puts a finalizer on every resource that has one. An API error the
+spec causes (a 422 against a schema, a 400) is permanent for that generation (status and one
+event, no retry until the spec changes); a 5xx or a timeout is retried, and so are refusals that
+the cluster decides (a ResourceQuota, an admission webhook or policy, RBAC: heal.api_refusal),
+with a doubling backoff up to 5 min, reported once under their own reason, so a fixed quota
+recovers without a spec edit. kopf keeps its bookkeeping in status.kopf, never in
 metadata, so GitOps tools that own the resource see no drift.
 """
 
@@ -64,11 +67,12 @@ from kvscale.operator.children import (
 )
 from kvscale.operator.heal import (
     APPLY_FAILURES,
+    RETRIED_REASONS,
     RetryQueue,
+    api_error_refusal,
     apply_failure,
     backoff_s,
     child_drift,
-    permanent,
     rejected,
 )
 from kvscale.operator.models import GROUP, KIND, PLURAL, VERSION, InferenceDeploymentSpec, name_problem
@@ -362,7 +366,7 @@ def sync(
         raise
     if error is None:
         metrics.reconciled("ok")
-    elif error[0] == "ApplyFailed":
+    elif error[0] in RETRIED_REASONS:  # transient, or fixed by someone else: backed off
         metrics.reconciled("transient_error")
         return error
     else:
@@ -532,7 +536,7 @@ def _apply_children(
             status = e.status if isinstance(e, ApiException) else None
             if kind in OPTIONAL_KEYS and status == 404:
                 continue  # its CRD went since the last discovery: the next one notices
-            reason = "ApplyRejected" if permanent(status) else "ApplyFailed"
+            reason, _ = api_error_refusal(e)  # QuotaExceeded, AdmissionDenied ...: retried
             metrics.errored(metrics.error_kind(e))
             logger.warning("applying %s %s/%s failed: %s", kind, namespace, name, _api_message(e))
             return (reason, f"applying the {kind} failed: {_api_message(e)}"), wrote
@@ -599,8 +603,9 @@ def sync_or_retry(namespace: str, name: str, **kwargs: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def reconcile(meta: kopf.Meta, retry: int, **_: Any) -> None:
-    """Apply every child. A 4xx is reported (status, one event) and not retried: kopf retries
-    only the TemporaryError of a 5xx or a timeout, after a doubling backoff."""
+    """Apply every child. A refusal of the spec is reported (status, one event) and not retried:
+    kopf retries only the TemporaryError of a transient failure or of a refusal the cluster
+    decides (quota, admission, RBAC), after a doubling backoff."""
     namespace, name = meta["namespace"], meta["name"]
     try:
         error = sync(namespace, name, apply_all=True)

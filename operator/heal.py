@@ -10,6 +10,7 @@ has not drifted would be a no-op on the API server, so the watchers do not send 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -21,7 +22,11 @@ _MISSING = object()
 
 # Condition reasons that mean "this generation cannot be applied": no retry until it changes.
 PERMANENT_REASONS = ("InvalidSpec", "ApplyRejected")
-APPLY_FAILURES = (*PERMANENT_REASONS, "ApplyFailed")  # ... and the one that is retried
+# ... and those retried with backoff: a transient failure, and refusals that someone other than
+# the spec's author fixes (a raised ResourceQuota, a changed admission policy, granted RBAC),
+# after which the resource recovers without a spec edit.
+RETRIED_REASONS = ("ApplyFailed", "QuotaExceeded", "AdmissionDenied", "Forbidden")
+APPLY_FAILURES = (*PERMANENT_REASONS, *RETRIED_REASONS)
 # 4xx that are worth retrying: a timeout, a conflict (an object being deleted, a lost race),
 # too early, too many requests. Every other 4xx is the API refusing what we sent.
 TRANSIENT_4XX = frozenset({408, 409, 425, 429})
@@ -73,6 +78,41 @@ def _same_quantity(a: str, b: str) -> bool:
 def permanent(status: int | None) -> bool:
     """An API error that retrying the same request cannot fix (None: no answer, a timeout)."""
     return status is not None and 400 <= status < 500 and status not in TRANSIENT_4XX
+
+
+def api_refusal(status: int | None, reason: str | None, message: str) -> tuple[str, bool]:
+    """(condition reason, whether to retry) for an API error: its HTTP status, its Status reason
+    (`Forbidden`, `Invalid`, ...) and message. Refusals that the cluster's state decides, not the
+    spec, are retried with backoff and named: a ResourceQuota (403 "exceeded quota"), an admission
+    webhook (Gatekeeper, Kyverno: "admission webhook ... denied the request", 400 or 403, even 422)
+    or a ValidatingAdmissionPolicy ("... denied request"), RBAC (any other 403). What the API
+    server itself refuses in what we sent (422 Invalid against a schema, 400, 404 ...) is final
+    for the generation: the same request cannot succeed."""
+    text = message or ""
+    if status is None or not 400 <= status < 500 or status in TRANSIENT_4XX:
+        return "ApplyFailed", True  # no answer, a timeout, a 5xx, a conflict: transient
+    if "exceeded quota" in text:
+        return "QuotaExceeded", True
+    webhook = "admission webhook" in text and "denied the request" in text
+    if webhook or ("ValidatingAdmissionPolicy" in text and "denied request" in text):
+        return "AdmissionDenied", True
+    if status == 403 or reason == "Forbidden":
+        return "Forbidden", True
+    return "ApplyRejected", False
+
+
+def api_error_refusal(e: Exception) -> tuple[str, bool]:
+    """api_refusal() of an exception: an ApiException's status, reason and the body's message
+    (a network error, no answer at all: transient)."""
+    status = getattr(e, "status", None)
+    if not isinstance(status, int):
+        return "ApplyFailed", True
+    try:
+        body = json.loads(getattr(e, "body", None) or "{}")
+    except (ValueError, TypeError):
+        body = {}
+    body = body if isinstance(body, dict) else {}
+    return api_refusal(status, body.get("reason") or getattr(e, "reason", None), str(body.get("message", "")))
 
 
 def backoff_s(failures: int) -> float:

@@ -975,6 +975,20 @@ class AutoscalingStatus(_Model):
         description="Ready workers whose metrics could not be read at the last scrape (counted as "
         "exactly at target; no scale-down while any is).",
     )
+    unschedulable_workers: int = Field(
+        default=0,
+        description="Worker pods the scheduler cannot place (PodScheduled False, Unschedulable): "
+        "not counted as starting, removed first by a scale-down.",
+    )
+    crash_looping_workers: int = Field(
+        default=0,
+        description="Worker pods whose container crash-loops (CrashLoopBackOff, or restarted 3 times).",
+    )
+    stalled_workers: int = Field(
+        default=0,
+        description="Worker pods that cannot start (an image or config error) or were not Ready "
+        "within server.startupTimeoutSeconds.",
+    )
     lookahead_seconds: float = Field(
         default=0.0,
         description="How far ahead a rising arrival rate is projected: the workers' median startup "

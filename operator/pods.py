@@ -12,14 +12,24 @@ Not a kopf index: kopf re-lists after a 410 without dropping what the new list l
 deleted in the gap would stay in an index for good (and the autoscaler would count it as an
 unreadable worker). Only reads: the leader's fence lets them through; `feed` runs on the leader
 only (started and stopped with kopf, autoscaler.py).
+
+Labels select what is streamed, never what is trusted: anyone who may create pods in a namespace
+can label one as a worker. `Ownership` admits a pod only when its chain of controller owner
+references, each checked by uid against the live object, reaches the InferenceDeployment: pod ->
+ReplicaSet -> Deployment -> InferenceDeployment (or pod -> StatefulSet -> LeaderWorkerSet ->
+InferenceDeployment for a group's leader). A tenant's look-alike pod has no such chain (the
+ReplicaSet controller releases a pod its selector does not match, and adopts, so owns and counts,
+one it does).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, watch
@@ -27,6 +37,7 @@ from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
 from kvscale.operator.children import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
+from kvscale.operator.models import KIND
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +193,95 @@ def api_watcher(core: client.CoreV1Api) -> Watcher:
                 yield event["type"], pod, pod.metadata.resource_version
 
     return watcher
+
+
+def url_of(ip: str, port: int, path: str = "") -> str:
+    """`http://ip:port/path` for a pod IP: an IPv6 address in brackets (RFC 3986; unbracketed,
+    `fd00::1:8000` reads as a host and a port of "1:8000", and every IPv6 scrape fails)."""
+    try:
+        v6 = ipaddress.ip_address(ip).version == 6
+    except ValueError:
+        v6 = ":" in ip  # not an address (a test's name): bracket anything that would break
+    return f"http://[{ip}]:{port}{path}" if v6 else f"http://{ip}:{port}{path}"
+
+
+@dataclass(frozen=True)
+class OwnerRef:
+    kind: str
+    name: str
+    uid: str
+
+
+def controller_of(meta: Mapping[str, Any] | client.V1ObjectMeta | None) -> OwnerRef | None:
+    """The owner reference marked `controller: true` of an object's metadata (a dict or the typed
+    client's), None when it has none."""
+    if meta is None:
+        return None
+    refs = meta.get("ownerReferences") if isinstance(meta, Mapping) else meta.owner_references
+    for r in refs or []:
+        # The typed V1OwnerReference's attributes have the JSON keys' names.
+        kind, name, uid, controls = (
+            r.get(k) if isinstance(r, Mapping) else getattr(r, k, None)
+            for k in ("kind", "name", "uid", "controller")
+        )
+        if controls and kind and name and uid:
+            return OwnerRef(kind, name, uid)
+    return None
+
+
+# Who may own whom on the way up from a pod: (the pod's controller, its controller) per workload.
+CHAINS = (("ReplicaSet", "Deployment"), ("StatefulSet", "LeaderWorkerSet"))
+ROOT_KIND = KIND
+# (kind, namespace, name) -> that object's metadata (a dict), None when it does not exist.
+OwnerReader = Callable[[str, str, str], Mapping[str, Any] | None]
+
+
+class Ownership:
+    """Whether a pod was created by the operator's own workload of one InferenceDeployment: its
+    controller chain, each link read from the API server once (by uid, which no other object ever
+    has) and cached for `ttl_s` (an orphaned ReplicaSet drops out within that). Thread-safe; the
+    reads block, so the autoscaler calls `owned` off the event loop."""
+
+    def __init__(
+        self, read: OwnerReader, *, ttl_s: float = 300.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._read, self._ttl_s, self._clock = read, ttl_s, clock
+        self._lock = threading.Lock()
+        self._links: dict[str, tuple[float, OwnerRef | None]] = {}  # uid -> (when read, its controller)
+        self.reads = 0
+
+    def _controller(self, ref: OwnerRef, namespace: str) -> OwnerRef | None:
+        """The controller of the object `ref` names, None when that object is not the one the
+        reference means (gone, or another uid under that name: a forged reference)."""
+        now = self._clock()
+        with self._lock:
+            hit = self._links.get(ref.uid)
+            if hit is not None and now - hit[0] < self._ttl_s:
+                return hit[1]
+        self.reads += 1
+        meta = self._read(ref.kind, namespace, ref.name)
+        link = controller_of(meta) if meta is not None and meta.get("uid") == ref.uid else None
+        with self._lock:
+            if len(self._links) > 4096:  # bounded: look-alike pods naming ever new owners
+                self._links.clear()
+            self._links[ref.uid] = (now, link)
+        return link
+
+    def owned(self, pod: client.V1Pod, root_uid: str, workload: str) -> bool:
+        """Whether `pod`'s controller chain ends at the InferenceDeployment `root_uid` through its
+        workload named `workload` (one name per kind and namespace: a Deployment a tenant made
+        and pointed at the InferenceDeployment is not the operator's)."""
+        first = controller_of(pod.metadata)
+        namespace = pod.metadata.namespace
+        for kinds in CHAINS:
+            if first is None or first.kind != kinds[0]:
+                continue
+            owner = self._controller(first, namespace)
+            if owner is None or owner.kind != kinds[1] or owner.name != workload:
+                return False
+            root = self._controller(owner, namespace)
+            return root is not None and root.kind == ROOT_KIND and root.uid == root_uid
+        return False
 
 
 class PodFeeder:

@@ -95,6 +95,42 @@ def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return any(live.get(c["type"]) != c for c in new.get("conditions", []))
 
 
+# The autoscaler's status: fields a reader acts on are written when they change; the gauges
+# that move with every scrape under load are written at most once per STATUS_MIN_INTERVAL_S.
+STATUS_MIN_INTERVAL_S = 60.0
+AUTOSCALER_GAUGES = frozenset({"kvCacheUsage", "waitingRequests", "lookaheadSeconds", "unreadableWorkers"})
+
+
+def _scaling_active(signals: dict[str, Any]) -> bool:
+    """The ScalingActive condition's status: some ready worker's metrics were read."""
+    return (signals.get("readyWorkers") or 0) - (signals.get("unreadableWorkers") or 0) > 0
+
+
+def autoscaler_status_due(
+    previous: dict[str, Any] | None,
+    new: dict[str, Any],
+    last_at: float,
+    now: float,
+    min_interval_s: float = STATUS_MIN_INTERVAL_S,
+) -> bool:
+    """Whether the autoscaler writes `new` (its status.autoscaling) now, `previous` being what it
+    last wrote (or what the object showed at a takeover) at `last_at` (seconds, any clock): at
+    once when a decision, the desired count, the workers by state or the ScalingActive condition
+    changed; when only the gauges moved (KV usage, waiting, look-ahead, unreadable count), at most
+    once per `min_interval_s`; never when nothing changed. So a steady load costs one write a
+    minute, not one every scrape (each one a watch event for Argo CD, Flux and every controller
+    watching the resource)."""
+    if previous is None:
+        return True
+    before, after = pruned(previous), pruned(new)
+    if before == after:
+        return False
+    if _scaling_active(before) != _scaling_active(after):
+        return True
+    moved = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    return bool(moved - AUTOSCALER_GAUGES) or now - last_at >= min_interval_s
+
+
 @dataclass(frozen=True)
 class PodDownload:
     """Where one worker pod's model download stands (the pod watch keeps one per pod)."""
@@ -248,7 +284,10 @@ def compute_status(
     if apply_error:  # whatever the workers do, they do not run the spec asked for
         readiness = (False, *apply_error)
     elif want == 0:
-        readiness = (False, "ScaledToZero", "no workers are wanted")
+        # Ready at zero (KServe's and Knative's practice): nothing is wrong, and with the router a
+        # request wakes a worker. Ready=False here failed every Ready-based health check (Argo
+        # CD, kstatus) of an idle resource.
+        readiness = (True, "ScaledToZero", "no workers are wanted (a request wakes one through the router)")
     elif settled:
         readiness = (True, "AllWorkersReady", f"{ready}/{want} workers ready")
     elif ready >= want:  # enough ready workers, but some run an old spec or the rollout is on

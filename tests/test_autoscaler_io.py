@@ -16,12 +16,35 @@ from kubernetes.client.rest import ApiException
 from kvscale.operator import autoscaler, handlers, metrics
 from kvscale.operator.autoscaler import Target
 from kvscale.operator.children import LABEL_NAME, LABEL_OWNER, WORKER
-from kvscale.operator.pods import PodCache, feed
+from kvscale.operator.models import KIND
+from kvscale.operator.pods import Ownership, PodCache, feed
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
-def pod(name: str, owner: str = "tiny", namespace: str = "ns", *, ready: bool = True, rv: str = "1"):
+def rs_ref(owner: str, uid: str | None = None) -> list[client.V1OwnerReference]:
+    """The controller reference the ReplicaSet controller puts on `owner`'s worker pods."""
+    return [
+        client.V1OwnerReference(
+            api_version="apps/v1",
+            kind="ReplicaSet",
+            name=f"{owner}-abc",
+            uid=uid or f"rs-{owner}",
+            controller=True,
+        )
+    ]
+
+
+def pod(
+    name: str,
+    owner: str = "tiny",
+    namespace: str = "ns",
+    *,
+    ready: bool = True,
+    rv: str = "1",
+    refs: list | None = None,
+    ip: str | None = None,
+):
     return client.V1Pod(
         metadata=client.V1ObjectMeta(
             name=name,
@@ -29,9 +52,10 @@ def pod(name: str, owner: str = "tiny", namespace: str = "ns", *, ready: bool = 
             uid=f"uid-{namespace}-{name}",
             resource_version=rv,
             labels={LABEL_NAME: WORKER, LABEL_OWNER: owner},
+            owner_references=rs_ref(owner) if refs is None else refs,
         ),
         status=client.V1PodStatus(
-            pod_ip=f"10.0.0.{abs(hash(name)) % 250 + 1}",
+            pod_ip=ip or f"10.0.0.{abs(hash(name)) % 250 + 1}",
             conditions=[client.V1PodCondition(type="Ready", status=str(ready), last_transition_time=T0)],
             container_statuses=[
                 client.V1ContainerStatus(
@@ -242,6 +266,20 @@ class Custom:
         return {"metadata": {"generation": 1}, "spec": SPEC, "status": {}}
 
 
+def ctrl(kind: str, name: str, uid: str) -> dict:
+    return {"kind": kind, "name": name, "uid": uid, "controller": True}
+
+
+# The live owner chain: tiny's ReplicaSet -> its Deployment -> the InferenceDeployment uid-1.
+OWNERS = {
+    ("ReplicaSet", "ns", "tiny-abc"): {
+        "uid": "rs-tiny",
+        "ownerReferences": [ctrl("Deployment", "tiny", "dep-tiny")],
+    },
+    ("Deployment", "ns", "tiny"): {"uid": "dep-tiny", "ownerReferences": [ctrl(KIND, "tiny", "uid-1")]},
+}
+
+
 @pytest.fixture
 def tick(monkeypatch):
     cache = PodCache()
@@ -256,6 +294,8 @@ def tick(monkeypatch):
     CountingCore.calls = []
     Apps.replicas = 2
     monkeypatch.setattr(autoscaler, "_pods", cache)
+    owners = Ownership(lambda kind, ns, name: OWNERS.get((kind, ns, name)))
+    monkeypatch.setattr(autoscaler, "_owners", owners)
     monkeypatch.setattr(autoscaler, "scrape", scrape)
     monkeypatch.setattr(autoscaler, "_api", lambda: None)
     monkeypatch.setattr(autoscaler.client, "CoreV1Api", CountingCore)
@@ -265,7 +305,7 @@ def tick(monkeypatch):
     monkeypatch.setattr(handlers, "apply_status", lambda ns, name, status, manager: writes.append(status))
     target = Target("tiny", "ns", "uid-1", dict(SPEC))
     run = lambda: asyncio.run(autoscaler.step(target, None))  # noqa: E731
-    return SimpleNamespace(target=target, run=run, writes=writes, scraped=scraped, cache=cache)
+    return SimpleNamespace(target=target, run=run, writes=writes, scraped=scraped, cache=cache, owners=owners)
 
 
 def counter(metric, *labels) -> float:
@@ -319,7 +359,7 @@ def test_a_new_leader_does_not_rewrite_what_the_object_already_shows(tick, monke
 
 
 def test_scrape_failures_are_counted_per_resource_and_a_change_is_written(tick, monkeypatch):
-    monkeypatch.setattr(autoscaler, "STATUS_EVERY_S", 0.0)
+    monkeypatch.setattr(autoscaler, "STATUS_MIN_INTERVAL_S", 0.0)  # the gauges too, at once
     tick.run()
     failures = counter(metrics.SCRAPE_FAILURES, "ns", "tiny")
     (one, _) = tick.cache.of("ns", "tiny")

@@ -300,7 +300,8 @@ def test_status_reports_failures_and_scale_to_zero():
     zero = compute_status(
         **common, desired=0, deployment=deployment_status(0, 0, 0, 0), previous_conditions=[]
     )
-    assert {c["type"]: c["reason"] for c in zero["conditions"]}["Ready"] == "ScaledToZero"
+    ready = next(c for c in zero["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")  # KServe/Knative: Ready at zero
     # With autoscaling, the Deployment's own replica count is the target.
     auto = compute_status(
         **common, desired=None, deployment=deployment_status(3, 3, 3, 3), previous_conditions=[]
