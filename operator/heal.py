@@ -21,7 +21,9 @@ _MISSING = object()
 
 # Condition reasons that mean "this generation cannot be applied": no retry until it changes.
 PERMANENT_REASONS = ("InvalidSpec", "ApplyRejected")
-APPLY_FAILURES = (*PERMANENT_REASONS, "ApplyFailed")  # ... and the one that is retried
+# ... the one that is retried, and the refusals every sync checks again (a policy or a foreign
+# object can change without a spec change; no write while the message stays the same).
+APPLY_FAILURES = (*PERMANENT_REASONS, "ApplyFailed", "PolicyViolation", "PolicyInvalid", "ChildConflict")
 # 4xx that are worth retrying: a timeout, a conflict (an object being deleted, a lost race),
 # too early, too many requests. Every other 4xx is the API refusing what we sent.
 TRANSIENT_4XX = frozenset({408, 409, 425, 429})
