@@ -232,3 +232,67 @@ def test_namespace_editors_manage_and_viewers_read_inferencedeployments(operator
     assert not can_i(operator, "e2e-viewer", "create", resource, namespace)
     assert not can_i(operator, "e2e-editor", "patch", resource, namespace, "status")
     assert not can_i(operator, "e2e-editor", "get", resource, OPERATOR_NS)
+
+
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
+
+
+def test_the_operator_patches_pods_only_where_a_rolebinding_grants_it(operator, namespace):  # noqa: F811
+    """manifests/rbac.yaml grants no cluster-wide `pods: patch` (it could change any pod's
+    image); kvscale-operator-pod-marks, bound in one namespace, grants it there only."""
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", namespace)
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", "kube-system")
+    assert can_i(operator, OPERATOR_USER, "list", "pods", namespace)
+    operator.kubectl(
+        "create", "rolebinding", "kvscale-operator-pod-marks", "-n", namespace,
+        "--clusterrole=kvscale-operator-pod-marks", f"--serviceaccount={OPERATOR_NS}:{OPERATOR}",
+    )  # fmt: skip
+    assert can_i(operator, OPERATOR_USER, "patch", "pods", namespace)
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", "kube-system")
+
+
+def test_confused_deputy_specs_are_refused_and_anothers_service_is_not_taken(operator, namespace):  # noqa: F811
+    """A Service of the resource's name made by someone else stays theirs (ChildConflict names
+    it); a spec the default admin policy refuses (priorityClassName, a toleration of every
+    taint, env reading a Secret it does not name) creates nothing; a Hub token to a plain-http
+    endpoint is refused by the CRD."""
+    core = client.CoreV1Api(operator.api)
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "taken", "namespace": namespace, "labels": {"app": "theirs"}},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]},
+    }
+    operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(theirs))
+    apply(operator, example("taken", namespace, replicas=0))
+
+    def degraded(name: str) -> dict | None:
+        c = condition(get_cr(operator, name, namespace), "Degraded")
+        return c if c.get("status") == "True" else None
+
+    c = wait_for(lambda: degraded("taken"), timeout=60, interval=0.5, what="the ChildConflict")
+    assert c["reason"] == "ChildConflict" and f"Service {namespace}/taken" in c["message"], c
+    svc = core.read_namespaced_service("taken", namespace)
+    assert svc.spec.selector == {"app": "theirs"} and not svc.metadata.owner_references
+
+    doc = example("deputy", namespace, replicas=0)
+    doc["spec"]["priorityClassName"] = "system-cluster-critical"
+    doc["spec"]["tolerations"] = [{"operator": "Exists"}]
+    doc["spec"]["env"] = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "someone-elses", "key": "k"}}}]
+    apply(operator, doc)
+    c = wait_for(lambda: degraded("deputy"), timeout=60, interval=0.5, what="the PolicyViolation")
+    assert c["reason"] == "PolicyViolation", c
+    for field in ("spec.priorityClassName", "spec.tolerations[0]", "spec.env[X]"):
+        assert field in c["message"], c
+    with pytest.raises(client.ApiException) as e:
+        client.AppsV1Api(operator.api).read_namespaced_deployment("deputy", namespace)
+    assert e.value.status == 404
+
+    bad = example("leak", namespace, replicas=0)
+    bad["spec"]["model"] = {
+        "uri": "hf://org/model",
+        "hfTokenSecret": {"name": "hub"},
+        "hfEndpoint": "http://mirror.internal",
+    }
+    refused_ = operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused_.returncode != 0 and "hfEndpoint must be https://" in refused_.stderr

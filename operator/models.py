@@ -243,18 +243,6 @@ class SecretKeyRef(_Model):
 class ModelSpec(_Model):
     """Which model the workers load and the name clients ask for."""
 
-    rules = (
-        # The download sends the token as a Bearer header: never in the clear.
-        Rule(
-            "!has(self.hfTokenSecret) || !has(self.hfEndpoint) || self.hfEndpoint.startsWith('https://')",
-            "hfEndpoint must be https:// when hfTokenSecret is set: the download sends the token "
-            "to it as a Bearer header",
-            lambda m: (
-                m.hf_token_secret is None or m.hf_endpoint is None or m.hf_endpoint.startswith("https://")
-            ),
-        ),
-    )
-
     uri: Uri = Field(
         description="Where the model folder is: an absolute path inside the worker container "
         "(`/models/llama`, also `file:///models/llama`), or `pvc://CLAIM/SUBPATH` to mount a "

@@ -24,7 +24,8 @@ from pydantic import Field, ValidationError
 
 from kvscale.operator.models import InferenceDeploymentSpec, _Model, is_hf
 
-POLICY_PATH = Path(os.environ.get("KVSCALE_POLICY_FILE", "/etc/kvscale/policy.yaml"))
+DEFAULT_POLICY_PATH = "/etc/kvscale/policy.yaml"  # manifests/base/deployment.yaml mounts it
+POLICY_PATH = Path(os.environ.get("KVSCALE_POLICY_FILE", DEFAULT_POLICY_PATH))
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 # Variables of the download container the spec sets through its own fields, where this policy
 # checks them: an `env` entry of that name would replace the operator's value unchecked.
@@ -86,10 +87,10 @@ class AdminPolicy(_Model):
         "image; the operator's configured images are always allowed.",
     )
     priority_class_names: list[str] = Field(
-        default_factory=list, description="Allowed spec.priorityClassName. Default: none."
+        default_factory=list, description="Glob patterns of spec.priorityClassName. Default: none."
     )
     runtime_class_names: list[str] = Field(
-        default_factory=list, description="Allowed spec.runtimeClassName. Default: none."
+        default_factory=list, description="Glob patterns of spec.runtimeClassName. Default: none."
     )
     tolerations: list[TolerationRule] | None = Field(
         default=None,
@@ -105,7 +106,13 @@ class AdminPolicy(_Model):
         default=None,
         description="Allowed model.hfEndpoint URLs (scheme, host and port equal, path a prefix); "
         f"with this set an hf:// model without hfEndpoint uses {DEFAULT_HF_ENDPOINT}, which must "
-        "be listed too. Unset: any. An endpoint that gets hfTokenSecret must be https always.",
+        "be listed too. Unset: any.",
+    )
+    insecure_hf_endpoints: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns of plain-http model.hfEndpoint URLs that may receive "
+        "hfTokenSecret (an in-cluster mirror the admin vouches for). Default: none: a token "
+        "goes to https endpoints only.",
     )
     secrets: list[str] | None = Field(
         default=None,
@@ -190,7 +197,7 @@ def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]
                 out.append(Violation(field, f"image {image!r} is not one the admin policy allows"))
 
     # Scheduling: each of these takes capacity or nodes from other tenants.
-    if spec.priority_class_name and spec.priority_class_name not in policy.priority_class_names:
+    if spec.priority_class_name and not _glob(spec.priority_class_name, policy.priority_class_names):
         out.append(
             Violation(
                 "spec.priorityClassName",
@@ -198,7 +205,7 @@ def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]
                 "(a higher priority pre-empts other tenants' pods)",
             )
         )
-    if spec.runtime_class_name and spec.runtime_class_name not in policy.runtime_class_names:
+    if spec.runtime_class_name and not _glob(spec.runtime_class_name, policy.runtime_class_names):
         out.append(
             Violation(
                 "spec.runtimeClassName",
@@ -242,7 +249,20 @@ def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]
     m = spec.model
     hf = is_hf(m.uri) or (spec.speculative is not None and is_hf(spec.speculative.draft_model_uri))
     endpoint = m.hf_endpoint or (DEFAULT_HF_ENDPOINT if hf else None)
-    # (https for an endpoint that gets the token is the CRD's rule: models.ModelSpec.)
+    token = m.hf_token_secret is not None
+    if (
+        token
+        and endpoint
+        and urlsplit(endpoint).scheme != "https"
+        and not _glob(endpoint, policy.insecure_hf_endpoints)
+    ):
+        out.append(
+            Violation(
+                "spec.model.hfEndpoint",
+                "must be https: the download sends hfTokenSecret to it as a Bearer token (the "
+                "admin policy's insecureHfEndpoints can allow an http mirror)",
+            )
+        )
     if policy.hf_endpoints is not None and endpoint and not _endpoint_allowed(endpoint, policy.hf_endpoints):
         field = "spec.model.hfEndpoint" if m.hf_endpoint else "spec.model.uri"
         out.append(Violation(field, f"the Hub endpoint {endpoint} is not one the admin policy allows"))

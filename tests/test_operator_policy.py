@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from kvscale.operator import handlers, policy
 from kvscale.operator.children import (
@@ -73,6 +72,7 @@ def test_priority_classes_are_refused_unless_listed():
     s = spec(priorityClassName="system-node-critical")
     assert fields(s) == ["spec.priorityClassName"]  # the default allows none
     assert fields(s, pol(priorityClassNames=["system-node-critical"])) == []
+    assert fields(spec(priorityClassName="tenant-a-batch"), pol(priorityClassNames=["tenant-a-*"])) == []
     assert fields(spec(priorityClassName="gpu-high"), pol(priorityClassNames=["gpu-low"])) == [
         "spec.priorityClassName"
     ]
@@ -184,10 +184,15 @@ def test_with_a_secrets_list_every_secret_reference_must_match_it():
 
 
 def test_the_hub_token_is_never_sent_in_the_clear():
-    with pytest.raises(ValidationError, match="hfEndpoint must be https://"):
-        spec(model={**HF, "hfTokenSecret": {"name": "hub"}, "hfEndpoint": "http://mirror.internal"})
-    spec(model={**HF, "hfEndpoint": "http://mirror.internal"})  # no token: nothing to leak
-    spec(model={**HF, "hfTokenSecret": {"name": "hub"}, "hfEndpoint": "https://mirror.internal"})
+    plain = {**HF, "hfTokenSecret": {"name": "hub"}, "hfEndpoint": "http://mirror.internal:8080"}
+    assert fields(spec(model=plain)) == ["spec.model.hfEndpoint"]
+    assert fields(spec(model={**plain, "hfEndpoint": "https://mirror.internal"})) == []
+    assert fields(spec(model={**HF, "hfEndpoint": "http://mirror.internal"})) == []  # no token to leak
+    # Only the admin can vouch for an http mirror; the allow-list alone does not.
+    assert fields(spec(model=plain), pol(insecureHfEndpoints=["http://mirror.internal:*"])) == []
+    assert fields(spec(model=plain), pol(hfEndpoints=["http://mirror.internal:8080"])) == [
+        "spec.model.hfEndpoint"
+    ]
 
 
 def test_env_may_not_replace_the_endpoint_or_the_token_the_policy_checks():
@@ -407,3 +412,29 @@ def test_a_multi_node_groups_ranks_reach_each_other_on_every_port():
         "ports" in r
         for r in network_policies(OWNER, spec(), NetworkPolicySettings(), "ops")[0]["spec"]["ingress"]
     )
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_example_policy_parses_and_the_examples_pass_the_default_policy():
+    import yaml
+
+    (cm,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "policy-example.yaml").read_text()) if d]
+    example = policy.parse(cm["data"]["policy.yaml"])
+    assert example.network_policy.clients_from and example.max_gpus == 32
+    for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceDeployment":
+                assert check(InferenceDeploymentSpec.model_validate(doc["spec"]), AdminPolicy()) == [], path
+
+
+def test_the_operator_mounts_the_policy_where_it_reads_it():
+    import yaml
+
+    dep = yaml.safe_load((REPO / "manifests" / "base" / "deployment.yaml").read_text())
+    pod = dep["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("configMap")]
+    assert volume["configMap"] == {"name": "kvscale-operator-policy", "optional": True}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert str(Path(mount["mountPath"]) / "policy.yaml") == policy.DEFAULT_POLICY_PATH
