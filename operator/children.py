@@ -862,7 +862,7 @@ def all_children(
         children(owner, spec, image, ids)
         + pool
         + router_children(owner, spec, router_image, ids)
-        + network_policies(owner, spec, policy.network_policy, operator_namespace)
+        + network_policies(owner, spec, policy.network_policy, operator_namespace, pooled=bool(pool))
     )
 
 
@@ -884,11 +884,17 @@ def _http_from(peers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def network_policies(
-    owner: Owner, spec: InferenceDeploymentSpec, net: NetworkPolicySettings, operator_namespace: str
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    net: NetworkPolicySettings,
+    operator_namespace: str,
+    *,
+    pooled: bool = False,
 ) -> list[dict[str, Any]]:
     """Ingress NetworkPolicies for the workers (NAME) and the router (NAME-router); egress is
     left open (model downloads, the API server). The kubelet's probes are node traffic, which
-    NetworkPolicies do not block. None when the admin policy turns them off."""
+    NetworkPolicies do not block. `pooled`: an InferencePool is applied, whose gateway sends to
+    the workers directly. None when the admin policy turns them off."""
     if not net.enabled:
         return []
     # A peer without a namespaceSelector: pods of the NetworkPolicy's own namespace.
@@ -900,7 +906,7 @@ def network_policies(
         worker_rules.append(
             _http_from([{"podSelector": {"matchLabels": router_selector_labels(owner.name)}}])
         )
-    else:  # clients reach the workers' Service directly
+    if not spec.router.enabled or pooled:  # clients (or a gateway) reach the workers directly
         worker_rules.append(_http_from(clients))
     worker_rules.append(_http_from(scrapers))
     if spec.nodes > 1:

@@ -401,6 +401,19 @@ def test_the_policy_chooses_the_routers_clients_and_extra_scrapers():
     assert network_policies(OWNER, spec(), NetworkPolicySettings(enabled=False), "ops") == []
 
 
+def test_with_an_inference_pool_the_gateways_clients_reach_the_workers_too():
+    objs = {key_of(o): o for o in all_children(OWNER, spec(), "w:1", "r:1", pools=True)}
+    assert "InferencePool" in objs
+    rules = objs["NetworkPolicy"]["spec"]["ingress"]
+    assert [peers(r) for r in rules][:2] == [
+        [{"podSelector": {"matchLabels": router_selector_labels("tiny")}}],
+        [{"podSelector": {}}],  # the clients, as the router's
+    ]
+    off = spec(inferencePool={"enabled": False})
+    rules = {key_of(o): o for o in all_children(OWNER, off, "w:1", "r:1", pools=True)}["NetworkPolicy"]
+    assert [{"podSelector": {}}] not in [peers(r) for r in rules["spec"]["ingress"]]
+
+
 def test_a_multi_node_groups_ranks_reach_each_other_on_every_port():
     group = spec(parallelism={"tensor": 2, "nodes": 2})
     worker = network_policies(OWNER, group, NetworkPolicySettings(), "ops")[0]["spec"]
