@@ -296,3 +296,33 @@ def test_confused_deputy_specs_are_refused_and_anothers_service_is_not_taken(ope
     }
     refused_ = operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(bad), check=False)
     assert refused_.returncode != 0 and "hfEndpoint must be https://" in refused_.stderr
+
+
+def test_the_network_policies_are_applied_and_select_the_real_pods(operator, namespace):  # noqa: F811
+    """The per-resource NetworkPolicies pass the API server's validation and select the pods the
+    Deployments run (enforcement needs a NetworkPolicy engine, which this node does not run:
+    docs/operator.md, "NetworkPolicies")."""
+    apply(operator, example("netpol", namespace, replicas=0))
+    net = client.NetworkingV1Api(operator.api)
+
+    def applied():
+        try:
+            return net.read_namespaced_network_policy(
+                "netpol", namespace
+            ), net.read_namespaced_network_policy("netpol-router", namespace)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            return None
+
+    workers, router = wait_for(applied, timeout=60, interval=0.5, what="the NetworkPolicies")
+    apps = client.AppsV1Api(operator.api)
+    worker_labels = apps.read_namespaced_deployment("netpol", namespace).spec.template.metadata.labels
+    router_labels = apps.read_namespaced_deployment("netpol-router", namespace).spec.template.metadata.labels
+    assert workers.spec.pod_selector.match_labels.items() <= worker_labels.items()
+    assert router.spec.pod_selector.match_labels.items() <= router_labels.items()
+    assert not router.spec.pod_selector.match_labels.items() <= worker_labels.items()
+    peer = workers.spec.ingress[0]._from[0].pod_selector.match_labels
+    assert peer.items() <= router_labels.items()
+    assert [p.port for p in workers.spec.ingress[0].ports] == [8000]
+    assert workers.metadata.owner_references[0].name == "netpol"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvscale.operator import handlers, policy
 from kvscale.operator.children import (
@@ -431,8 +432,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_example_policy_parses_and_the_examples_pass_the_default_policy():
-    import yaml
-
     (cm,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "policy-example.yaml").read_text()) if d]
     example = policy.parse(cm["data"]["policy.yaml"])
     assert example.network_policy.clients_from and example.max_gpus == 32
@@ -443,11 +442,37 @@ def test_the_example_policy_parses_and_the_examples_pass_the_default_policy():
 
 
 def test_the_operator_mounts_the_policy_where_it_reads_it():
-    import yaml
-
     dep = yaml.safe_load((REPO / "manifests" / "base" / "deployment.yaml").read_text())
     pod = dep["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v.get("configMap")]
     assert volume["configMap"] == {"name": "kvscale-operator-policy", "optional": True}
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     assert str(Path(mount["mountPath"]) / "policy.yaml") == policy.DEFAULT_POLICY_PATH
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_each_policy_selects_exactly_its_pods_and_the_peers_match_the_real_pod_labels():
+    objs = {key_of(o): o for o in all_children(OWNER, spec(), "w:1", "r:1")}
+    other = {key_of(o): o for o in all_children(Owner("other", "ns", "uid-2"), spec(), "w:1", "r:1")}
+    worker_pod = objs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    router_pod = objs["RouterDeployment"]["spec"]["template"]["metadata"]["labels"]
+    other_router = other["RouterDeployment"]["spec"]["template"]["metadata"]["labels"]
+    other_worker = other["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    workers, router = objs["NetworkPolicy"]["spec"], objs["RouterNetworkPolicy"]["spec"]
+    assert selects(workers["podSelector"], worker_pod) and not selects(workers["podSelector"], router_pod)
+    assert not selects(workers["podSelector"], other_worker)
+    assert selects(router["podSelector"], router_pod) and not selects(router["podSelector"], worker_pod)
+    from_router = workers["ingress"][0]["from"][0]["podSelector"]
+    assert selects(from_router, router_pod)
+    assert not selects(from_router, other_router)  # another resource's router is not let in
+    assert not selects(from_router, worker_pod)
+    # The operator's peer matches the operator's own pods (manifests/base/deployment.yaml).
+    operator_dep = yaml.safe_load((REPO / "manifests" / "base" / "deployment.yaml").read_text())
+    operator_pod = operator_dep["spec"]["template"]["metadata"]["labels"]
+    assert selects(workers["ingress"][1]["from"][0]["podSelector"], operator_pod)
+    # The port the peers may use is the one the containers serve (the API and /metrics).
+    (port,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert workers["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
