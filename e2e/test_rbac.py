@@ -326,3 +326,89 @@ def test_the_network_policies_are_applied_and_select_the_real_pods(operator, nam
     assert peer.items() <= router_labels.items()
     assert [p.port for p in workers.spec.ingress[0].ports] == [8000]
     assert workers.metadata.owner_references[0].name == "netpol"
+
+
+def test_the_admission_policy_admits_the_operators_children_and_refuses_an_escalation(operator, namespace):  # noqa: F811
+    """manifests/admission/ on the real API server: the operator still applies every child (a
+    worker and its router), and a write as the operator's ServiceAccount that would run a pod on
+    the host's network, or bind its rights elsewhere, is refused."""
+    operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "admission"))
+    try:
+        wait_for(
+            lambda: (
+                operator.kubectl(
+                    "get", "validatingadmissionpolicybinding", "kvscale-operator-writes", check=False
+                ).returncode
+                == 0
+            ),
+            timeout=30,
+            what="the binding",
+        )
+        apply(operator, example("vap", namespace, replicas=0))
+        uid = get_cr(operator, "vap", namespace)["metadata"]["uid"]
+
+        def applied():
+            cr = get_cr(operator, "vap", namespace)
+            status = cr.get("status") or {}
+            return cr if status.get("observedGeneration") == cr["metadata"]["generation"] else None
+
+        cr = wait_for(applied, timeout=90, interval=0.5, what="every child applied under the policy")
+        assert condition(cr, "Degraded").get("status") == "False", cr["status"]
+        assert owned_by(operator, "vap", namespace, uid)
+        hostile = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": "escalate",
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/managed-by": "kvscale-operator"},
+            },
+            "spec": {
+                "selector": {"matchLabels": {"app": "x"}},
+                "template": {
+                    "metadata": {"labels": {"app": "x"}},
+                    "spec": {
+                        "hostNetwork": True,
+                        "automountServiceAccountToken": False,
+                        "containers": [
+                            {
+                                "name": "x",
+                                "image": "x",
+                                "securityContext": {"allowPrivilegeEscalation": False},
+                            }
+                        ],
+                    },
+                },
+            },
+        }
+        as_operator = ["--as", OPERATOR_USER]
+        out = operator.kubectl(
+            "apply", "--server-side", *as_operator, "-f", "-", input=json.dumps(hostile), check=False
+        )
+        assert out.returncode != 0 and "no host network" in out.stderr, out.stderr
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {
+                "name": "vap-router",
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/managed-by": "kvscale-operator"},
+            },
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "vap-router"},
+            "subjects": [{"kind": "ServiceAccount", "name": "intruder", "namespace": namespace}],
+        }
+        out = operator.kubectl(
+            "apply",
+            "--server-side",
+            *as_operator,
+            "--force-conflicts",
+            "-f",
+            "-",
+            input=json.dumps(binding),
+            check=False,
+        )
+        assert out.returncode != 0 and "binds its own Role" in out.stderr, out.stderr
+    finally:
+        operator.kubectl(
+            "delete", "-k", str(REPO / "manifests" / "admission"), "--ignore-not-found", check=False
+        )
