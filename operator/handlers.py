@@ -417,7 +417,7 @@ def _sync(
         bad_name = name_problem(name)  # the same: the CRD's rule on metadata.name is newer
         if bad_name is not None:
             spec, error = None, ("InvalidSpec", f"invalid name: {bad_name}")
-        refusal = _policy_refusal(spec) if spec is not None else None
+        admin, refusal = _admin_policy(spec) if spec is not None else (None, None)
         if refusal is not None:  # re-checked by every sync: a policy change is seen by the resync
             error = refusal
         elif spec is not None:
@@ -434,7 +434,7 @@ def _sync(
                 # A generation not yet applied in full (a failed or interrupted apply) is applied
                 # in full: only an apply removes the fields an older spec set.
                 apply_all = apply_all or (full and status.get("observedGeneration") != generation)
-                error, wrote = _apply_children(cr, spec, kinds, seen, apply_all)
+                error, wrote = _apply_children(cr, spec, kinds, seen, apply_all, admin)
                 applied = full and error is None
         shown = error
         if error is None and not full:
@@ -470,14 +470,17 @@ def _sync(
         return error
 
 
-def _policy_refusal(spec: InferenceDeploymentSpec) -> tuple[str, str] | None:
-    """(reason, message) when the admin policy refuses the spec (or cannot be read: nothing is
-    applied then); None when it allows it."""
+def _admin_policy(
+    spec: InferenceDeploymentSpec,
+) -> tuple[policy.AdminPolicy | None, tuple[str, str] | None]:
+    """The admin policy in force, and (reason, message) when it refuses the spec or cannot be
+    read (nothing is applied then); no refusal when it allows the spec."""
     try:
-        violations = policy.check(spec, policy.load())
+        admin = policy.load()
     except policy.PolicyError as e:
-        return ("PolicyInvalid", str(e))
-    return ("PolicyViolation", policy.refusal(violations)) if violations else None
+        return None, ("PolicyInvalid", str(e))
+    violations = policy.check(spec, admin)
+    return admin, (("PolicyViolation", policy.refusal(violations)) if violations else None)
 
 
 def _workload_status(
@@ -509,6 +512,7 @@ def _apply_children(
     kinds: Collection[str],
     seen: dict[str, dict[str, Any] | None],
     apply_all: bool,
+    admin: policy.AdminPolicy | None = None,
 ) -> tuple[tuple[str, str] | None, bool]:
     """(the error that stopped it, whether any child was written); `seen` gets what is live."""
     name, namespace = cr["metadata"]["name"], cr["metadata"]["namespace"]
@@ -521,7 +525,7 @@ def _apply_children(
         spec.image or worker_image(),
         spec.router.image or router_image(),
         pools=pools_served,
-        policy=policy.load(),
+        policy=admin,
         operator_namespace=operator_namespace(),
     )
     keys = {key_of(c) for c in rendered}

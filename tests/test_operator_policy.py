@@ -476,3 +476,22 @@ def test_each_policy_selects_exactly_its_pods_and_the_peers_match_the_real_pod_l
     # The port the peers may use is the one the containers serve (the API and /metrics).
     (port,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert workers["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
+
+
+def test_the_sync_applies_the_policys_pod_ids_and_its_network_peers(monkeypatch, policy_file):
+    policy_file.write_text(
+        "podSecurity: {runAsUser: 1000700000}\n"
+        "networkPolicy: {clientsFrom: [{namespaceSelector: {matchLabels: {gw: 'yes'}}}]}\n"
+    )
+    monkeypatch.setenv("POD_NAMESPACE", "platform-ops")
+    fake = FakeApi(resource())
+    fake.install(monkeypatch)
+    handlers.sync("ns", "tiny", apply_all=True)
+    dep = fake.live[("Deployment", "tiny")]
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 1000700000
+    router = fake.live[("NetworkPolicy", "tiny-router")]["spec"]["ingress"]
+    assert router[0]["from"] == [{"namespaceSelector": {"matchLabels": {"gw": "yes"}}}]
+    workers = fake.live[("NetworkPolicy", "tiny")]["spec"]["ingress"]
+    assert workers[1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "platform-ops"
+    }
