@@ -120,6 +120,11 @@ class AdminPolicy(_Model):
         "server.apiKeySecret, imagePullSecrets, env). Unset: those the spec names for a purpose "
         "(the first three) are allowed, and env may read only those.",
     )
+    claims: list[str] | None = Field(
+        default=None,
+        description="Glob patterns of the PersistentVolumeClaims a spec mounts (pvc:// model and "
+        "draft URIs, model.cacheClaim). Unset: any claim of the resource's namespace.",
+    )
     max_gpus_per_pod: int | None = Field(default=None, ge=0, description="Most resources.gpus.")
     max_replicas: int | None = Field(
         default=None,
@@ -293,6 +298,19 @@ def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]
                         f"(model.hfTokenSecret, server.apiKeySecret), not {name!r}; the admin "
                         "policy's `secrets` can allow more",
                     )
+                )
+
+    if policy.claims is not None:
+        uris = [("spec.model.uri", m.uri)]
+        if spec.speculative is not None and spec.speculative.draft_model_uri:
+            uris.append(("spec.speculative.draftModelUri", spec.speculative.draft_model_uri))
+        used = [(f, u.removeprefix("pvc://").partition("/")[0]) for f, u in uris if u.startswith("pvc://")]
+        if m.cache_claim:
+            used.append(("spec.model.cacheClaim", m.cache_claim))
+        for field, claim in used:
+            if not _glob(claim, policy.claims):
+                out.append(
+                    Violation(field, f"PersistentVolumeClaim {claim!r} is not one the admin policy allows")
                 )
 
     # Limits.

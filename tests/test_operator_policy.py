@@ -130,6 +130,18 @@ def test_hub_endpoints_must_be_listed_and_the_default_hub_counts_as_one():
     assert fields(spec(), p) == []  # no hf:// model: no endpoint used
 
 
+def test_claims_outside_the_allowed_patterns_are_refused():
+    p = pol(claims=["models-*"])
+    assert fields(spec(model={"uri": "pvc://models-shared/llama"}), p) == []
+    assert fields(spec(model={"uri": "pvc://billing-db/data"}), p) == ["spec.model.uri"]
+    assert fields(spec(model={**HF, "cacheClaim": "billing-db"}), p) == ["spec.model.cacheClaim"]
+    draft = {"method": "draft", "draftModelUri": "pvc://other/draft"}
+    assert fields(spec(model={"uri": "pvc://models-a/m"}, speculative=draft), p) == [
+        "spec.speculative.draftModelUri"
+    ]
+    assert fields(spec(model={"uri": "pvc://billing-db/data"})) == []  # no list: any claim
+
+
 def test_limits_on_gpus_and_replicas():
     gpu = {"gpus": 4, "cpu": "8", "memory": "64Gi"}
     assert fields(spec(resources=gpu), pol(maxGpusPerPod=2)) == ["spec.resources.gpus"]
