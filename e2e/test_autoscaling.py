@@ -134,6 +134,11 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     if not operator.local:
         pytest.skip("mounts the fixture model from this machine")
     ns, name = namespace, "auto"
+    # The pod-deletion-cost marks are granted per namespace (manifests/rbac.yaml): here they are.
+    operator.kubectl(
+        "create", "rolebinding", "kvscale-operator-pod-marks", "-n", ns,
+        "--clusterrole=kvscale-operator-pod-marks", "--serviceaccount=kvscale-system:kvscale-operator",
+    )  # fmt: skip
     doc = example(name, ns)
     del doc["spec"]["replicas"]
     # A small KV cache (128 blocks of 16 tokens): three 400-token prompts fill 59 % of it.

@@ -26,13 +26,32 @@ import yaml
 from images import WORKER_IMAGE
 from kubernetes import client
 from model_fixtures import SHARED_MODELS, TARGET
-from realnode import POD_CIDR, SERVICE_CIDR
+from realnode import NODE_IP, POD_CIDR, SERVICE_CIDR
 from test_controlplane import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_NS, OPERATOR = "kvscale-system", "kvscale-operator"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
 GROUP, VERSION, PLURAL = "kvscale.dev", "v1alpha1", "inferencedeployments"
+
+
+# What the suite's resources ask beyond the default admin policy (operator/policy.py): the
+# pod-template test's PriorityClass and RuntimeClass, the stand-in Hub's plain-http endpoint on
+# the node (e2e/test_hf_model.py), which gets a token.
+E2E_POLICY = {
+    "apiVersion": "v1",
+    "kind": "ConfigMap",
+    "metadata": {"name": "kvscale-operator-policy", "namespace": OPERATOR_NS},
+    "data": {
+        "policy.yaml": json.dumps(
+            {
+                "priorityClassNames": ["kvscale-*"],
+                "runtimeClassNames": ["kvscale-e2e"],
+                "insecureHfEndpoints": [f"http://{NODE_IP}:*"],
+            }
+        )
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +63,9 @@ def operator(cluster):
         pytest.skip("needs ../shared/models/tiny-code-target for the worker pods")
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    # The admin policy first, so the operator's pods mount it from their start.
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "base" / "namespace.yaml"))
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(E2E_POLICY))
     cluster.kubectl("apply", "--server-side", "-k", str(REPO / "manifests"))
     cluster.kubectl("rollout", "status", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--timeout=120s")
     coord = client.CoordinationV1Api(cluster.api)
@@ -495,7 +517,9 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
     for pod in pods:  # the kubelet ran the image as the securityContext says, the model from its PV
         (worker,) = pod.spec.containers
         assert worker.image == WORKER_IMAGE and worker.security_context.read_only_root_filesystem
-        assert pod.spec.security_context.run_as_user == 1000
+        # No fixed UID (OpenShift's restricted-v2 assigns one): the kubelet checked the image's
+        # numeric USER against runAsNonRoot, and the pod started.
+        assert pod.spec.security_context.run_as_non_root and pod.spec.security_context.run_as_user is None
         assert "/models/models/tiny-code-target" in worker.args
         assert [
             v.persistent_volume_claim.claim_name for v in pod.spec.volumes if v.persistent_volume_claim
@@ -653,9 +677,9 @@ def test_only_the_lease_holder_acts(operator):
 
 # Granted for the autoscaler alone: exercised only when e2e/test_autoscaling.py runs too. (Pods
 # list and watch are not: the leader's pod cache, operator/pods.py, sends them from its start.)
-# replicasets get: the owner chain of each scraped pod (pods.Ownership).
+# replicasets get: the owner chain of each scraped pod (pods.Ownership); pod marks are bound per
+# namespace (the kvscale-operator-pod-marks ClusterRole), so no cluster-wide pods patch.
 AUTOSCALER_GRANTS = {
-    ("", "pods", "patch"),
     ("apps", "deployments/scale", "patch"),
     ("apps", "replicasets", "get"),
 }
@@ -673,6 +697,7 @@ ADMISSION_GRANTS = {
     ("rbac.authorization.k8s.io", "rolebindings", "delete"),
     ("inference.networking.k8s.io", "inferencepools", "delete"),
     ("leaderworkerset.x-k8s.io", "leaderworkersets", "delete"),
+    ("networking.k8s.io", "networkpolicies", "delete"),
 }
 # Never sent: held because the router's Role grants them (RBAC's escalation check).
 ROUTER_ROLE_GRANTS = {

@@ -232,3 +232,183 @@ def test_namespace_editors_manage_and_viewers_read_inferencedeployments(operator
     assert not can_i(operator, "e2e-viewer", "create", resource, namespace)
     assert not can_i(operator, "e2e-editor", "patch", resource, namespace, "status")
     assert not can_i(operator, "e2e-editor", "get", resource, OPERATOR_NS)
+
+
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
+
+
+def test_the_operator_patches_pods_only_where_a_rolebinding_grants_it(operator, namespace):  # noqa: F811
+    """manifests/rbac.yaml grants no cluster-wide `pods: patch` (it could change any pod's
+    image); kvscale-operator-pod-marks, bound in one namespace, grants it there only."""
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", namespace)
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", "kube-system")
+    assert can_i(operator, OPERATOR_USER, "list", "pods", namespace)
+    operator.kubectl(
+        "create", "rolebinding", "kvscale-operator-pod-marks", "-n", namespace,
+        "--clusterrole=kvscale-operator-pod-marks", f"--serviceaccount={OPERATOR_NS}:{OPERATOR}",
+    )  # fmt: skip
+    assert can_i(operator, OPERATOR_USER, "patch", "pods", namespace)
+    assert not can_i(operator, OPERATOR_USER, "patch", "pods", "kube-system")
+
+
+def test_confused_deputy_specs_are_refused_and_anothers_service_is_not_taken(operator, namespace):  # noqa: F811
+    """A Service of the resource's name made by someone else stays theirs (ChildConflict names
+    it); a spec the default admin policy refuses (priorityClassName, a toleration of every
+    taint, env reading a Secret it does not name) creates nothing; a Hub token to a plain-http
+    endpoint is refused by the CRD."""
+    core = client.CoreV1Api(operator.api)
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "taken", "namespace": namespace, "labels": {"app": "theirs"}},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]},
+    }
+    operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(theirs))
+    apply(operator, example("taken", namespace, replicas=0))
+
+    def degraded(name: str) -> dict | None:
+        c = condition(get_cr(operator, name, namespace), "Degraded")
+        return c if c.get("status") == "True" else None
+
+    c = wait_for(lambda: degraded("taken"), timeout=60, interval=0.5, what="the ChildConflict")
+    assert c["reason"] == "ChildConflict" and f"Service {namespace}/taken" in c["message"], c
+    svc = core.read_namespaced_service("taken", namespace)
+    assert svc.spec.selector == {"app": "theirs"} and not svc.metadata.owner_references
+
+    doc = example("deputy", namespace, replicas=0)
+    doc["spec"]["priorityClassName"] = "system-cluster-critical"
+    doc["spec"]["tolerations"] = [{"operator": "Exists"}]
+    doc["spec"]["env"] = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "someone-elses", "key": "k"}}}]
+    apply(operator, doc)
+    c = wait_for(lambda: degraded("deputy"), timeout=60, interval=0.5, what="the PolicyViolation")
+    assert c["reason"] == "PolicyViolation", c
+    for field in ("spec.priorityClassName", "spec.tolerations[0]", "spec.env[X]"):
+        assert field in c["message"], c
+    with pytest.raises(client.ApiException) as e:
+        client.AppsV1Api(operator.api).read_namespaced_deployment("deputy", namespace)
+    assert e.value.status == 404
+
+    bad = example("leak", namespace, replicas=0)
+    bad["spec"]["model"] = {
+        "uri": "hf://org/model",
+        "hfTokenSecret": {"name": "hub"},
+        "hfEndpoint": "http://mirror.internal",
+    }
+    refused_ = operator.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused_.returncode != 0 and "hfEndpoint must be https://" in refused_.stderr
+
+
+def test_the_network_policies_are_applied_and_select_the_real_pods(operator, namespace):  # noqa: F811
+    """The per-resource NetworkPolicies pass the API server's validation and select the pods the
+    Deployments run (enforcement needs a NetworkPolicy engine, which this node does not run:
+    docs/operator.md, "NetworkPolicies")."""
+    apply(operator, example("netpol", namespace, replicas=0))
+    net = client.NetworkingV1Api(operator.api)
+
+    def applied():
+        try:
+            return net.read_namespaced_network_policy(
+                "netpol", namespace
+            ), net.read_namespaced_network_policy("netpol-router", namespace)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            return None
+
+    workers, router = wait_for(applied, timeout=60, interval=0.5, what="the NetworkPolicies")
+    apps = client.AppsV1Api(operator.api)
+    worker_labels = apps.read_namespaced_deployment("netpol", namespace).spec.template.metadata.labels
+    router_labels = apps.read_namespaced_deployment("netpol-router", namespace).spec.template.metadata.labels
+    assert workers.spec.pod_selector.match_labels.items() <= worker_labels.items()
+    assert router.spec.pod_selector.match_labels.items() <= router_labels.items()
+    assert not router.spec.pod_selector.match_labels.items() <= worker_labels.items()
+    peer = workers.spec.ingress[0]._from[0].pod_selector.match_labels
+    assert peer.items() <= router_labels.items()
+    assert [p.port for p in workers.spec.ingress[0].ports] == [8000]
+    assert workers.metadata.owner_references[0].name == "netpol"
+
+
+def test_the_admission_policy_admits_the_operators_children_and_refuses_an_escalation(operator, namespace):  # noqa: F811
+    """manifests/admission/ on the real API server: the operator still applies every child (a
+    worker and its router), and a write as the operator's ServiceAccount that would run a pod on
+    the host's network, or bind its rights elsewhere, is refused."""
+    operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "admission"))
+    try:
+        wait_for(
+            lambda: (
+                operator.kubectl(
+                    "get", "validatingadmissionpolicybinding", "kvscale-operator-writes", check=False
+                ).returncode
+                == 0
+            ),
+            timeout=30,
+            what="the binding",
+        )
+        apply(operator, example("vap", namespace, replicas=0))
+        uid = get_cr(operator, "vap", namespace)["metadata"]["uid"]
+
+        def applied():
+            cr = get_cr(operator, "vap", namespace)
+            status = cr.get("status") or {}
+            return cr if status.get("observedGeneration") == cr["metadata"]["generation"] else None
+
+        cr = wait_for(applied, timeout=90, interval=0.5, what="every child applied under the policy")
+        assert condition(cr, "Degraded").get("status") == "False", cr["status"]
+        assert owned_by(operator, "vap", namespace, uid)
+        hostile = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {
+                "name": "escalate",
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/managed-by": "kvscale-operator"},
+            },
+            "spec": {
+                "selector": {"matchLabels": {"app": "x"}},
+                "template": {
+                    "metadata": {"labels": {"app": "x"}},
+                    "spec": {
+                        "hostNetwork": True,
+                        "automountServiceAccountToken": False,
+                        "containers": [
+                            {
+                                "name": "x",
+                                "image": "x",
+                                "securityContext": {"allowPrivilegeEscalation": False},
+                            }
+                        ],
+                    },
+                },
+            },
+        }
+        as_operator = ["--as", OPERATOR_USER]
+        out = operator.kubectl(
+            "apply", "--server-side", *as_operator, "-f", "-", input=json.dumps(hostile), check=False
+        )
+        assert out.returncode != 0 and "no host network" in out.stderr, out.stderr
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {
+                "name": "vap-router",
+                "namespace": namespace,
+                "labels": {"app.kubernetes.io/managed-by": "kvscale-operator"},
+            },
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "vap-router"},
+            "subjects": [{"kind": "ServiceAccount", "name": "intruder", "namespace": namespace}],
+        }
+        out = operator.kubectl(
+            "apply",
+            "--server-side",
+            *as_operator,
+            "--force-conflicts",
+            "-f",
+            "-",
+            input=json.dumps(binding),
+            check=False,
+        )
+        assert out.returncode != 0 and "binds its own Role" in out.stderr, out.stderr
+    finally:
+        operator.kubectl(
+            "delete", "-k", str(REPO / "manifests" / "admission"), "--ignore-not-found", check=False
+        )

@@ -40,7 +40,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from kvscale.operator import leaderworkerset, metrics
+from kvscale.operator import access, leaderworkerset, metrics
 from kvscale.operator.autoscaling import (
     STARTUP_SLACK_S,
     Autoscaler,
@@ -512,7 +512,8 @@ async def _scale(
         await asyncio.to_thread(
             leaderworkerset.write_scale, _api(), name, ns, decision.replicas, AUTOSCALER_MANAGER
         )
-    elif decision.replicas < current:
+    elif decision.replicas < current and await asyncio.to_thread(access.allowed, _api(), ns):
+        # (Marking is granted per namespace: access.py. Not granted: the ReplicaSet picks.)
         # The ReplicaSet controller removes the pods of lowest deletion cost first: mark exactly
         # the victims, and clear the mark a previous, unfinished decision left on any other pod.
         for p in pods:

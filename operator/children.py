@@ -10,6 +10,7 @@ these return.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import re
@@ -32,6 +33,7 @@ from kvscale.operator.models import (
     is_hf,
     search,
 )
+from kvscale.operator.policy import AdminPolicy, NetworkPolicySettings, PodSecurity
 
 MANAGER = "kvscale-operator"  # our field manager and the managed-by label
 AUTOSCALER_MANAGER = "kvscale-autoscaler"  # the autoscaler's, for the Deployment's replicas
@@ -57,6 +59,9 @@ SCRAPE_ANNOTATIONS = {
     "prometheus.io/port": str(PORT),
     "prometheus.io/path": "/metrics",
 }
+# The operator's pods (manifests/base/deployment.yaml): they scrape the workers' and routers' metrics.
+OPERATOR = "kvscale-operator"
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
 # Every container: no privilege, a read-only root filesystem (caches go to /tmp).
 CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False,
@@ -83,7 +88,8 @@ ROUTER_KEYS = (
     "Role",
     "RoleBinding",
 )
-CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS
+NETWORK_KEYS = ("NetworkPolicy", "RouterNetworkPolicy")  # with the policy's networkPolicy.enabled
+CHILD_KEYS = WORKER_KEYS + ROUTER_KEYS + NETWORK_KEYS
 
 
 def kind_of(key: str) -> str:
@@ -95,6 +101,7 @@ def child_key(kind: str, obj_labels: dict[str, str] | None) -> str:
         "Deployment",
         "Service",
         "PodDisruptionBudget",
+        "NetworkPolicy",
     )
     return f"Router{kind}" if router else kind
 
@@ -114,7 +121,7 @@ def router_name(name: str) -> str:
 
 
 def child_name(key: str, name: str) -> str:
-    return name if key in WORKER_KEYS else router_name(name)
+    return name if key in (*WORKER_KEYS, "NetworkPolicy") else router_name(name)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -374,8 +381,27 @@ def pod_labels(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, str]:
     return {**users, **labels(owner.name)}
 
 
+def pod_security_context(ids: PodSecurity, *, files: bool = True) -> dict[str, Any]:
+    """Non-root, with the image's numeric USER unless the admin policy fixes IDs (OpenShift's
+    restricted-v2 refuses a runAsUser outside the namespace's range and assigns one itself)."""
+    out: dict[str, Any] = {"runAsNonRoot": True}
+    if ids.run_as_user is not None:
+        out["runAsUser"] = ids.run_as_user
+    if ids.run_as_group is not None:
+        out["runAsGroup"] = ids.run_as_group
+    if files and ids.fs_group is not None:
+        out["fsGroup"] = ids.fs_group
+    out["seccompProfile"] = {"type": "RuntimeDefault"}
+    return out
+
+
 def pod_template(
-    owner: Owner, spec: InferenceDeploymentSpec, image: str, *, leader: bool = True
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    image: str,
+    *,
+    leader: bool = True,
+    ids: PodSecurity | None = None,
 ) -> dict[str, Any]:
     """The worker pod; `leader`: one that serves the API (a pod of rank 0), else a multi-node
     group's other pod (no /metrics to scrape)."""
@@ -464,13 +490,7 @@ def pod_template(
         "volumes": list(volumes.values()),
         # Longer than preStop + drain, so the kubelet never kills a worker that is still draining.
         "terminationGracePeriodSeconds": PRESTOP_SECONDS + spec.server.drain_timeout_seconds + 10,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(ids or PodSecurity()),
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # workers never talk to the API server
     }
@@ -485,7 +505,9 @@ def pod_template(
     }
 
 
-def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+def deployment(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -503,7 +525,7 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[
             },
             "progressDeadlineSeconds": spec.server.startup_timeout_seconds + 60,
             "revisionHistoryLimit": 3,
-            "template": pod_template(owner, spec, image),
+            "template": pod_template(owner, spec, image, ids=ids),
         },
     }
     # With autoscaling the field stays out of our apply, so the autoscaler owns it alone and
@@ -513,7 +535,9 @@ def deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[
     return body
 
 
-def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+def leader_worker_set(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> dict[str, Any]:
     """The workers of a multi-node model (parallelism.nodes > 1): a LeaderWorkerSet whose
     replicas are groups of `nodes` pods, one copy of the model each. A rank lost takes its
     group down (RecreateGroupOnPodRestart): the other ranks cannot go on without it."""
@@ -543,8 +567,8 @@ def leader_worker_set(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
             "leaderWorkerTemplate": {
                 "size": spec.nodes,
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": pod_template(owner, spec, image),
-                "workerTemplate": pod_template(owner, spec, image, leader=False),
+                "leaderTemplate": pod_template(owner, spec, image, ids=ids),
+                "workerTemplate": pod_template(owner, spec, image, leader=False, ids=ids),
             },
         },
     }
@@ -558,10 +582,12 @@ def workload_key(spec: InferenceDeploymentSpec) -> str:
     return "LeaderWorkerSet" if spec.nodes > 1 else "Deployment"
 
 
-def workload(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+def workload(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> dict[str, Any]:
     if workload_key(spec) == "LeaderWorkerSet":
-        return leader_worker_set(owner, spec, image)
-    return deployment(owner, spec, image)
+        return leader_worker_set(owner, spec, image, ids)
+    return deployment(owner, spec, image, ids)
 
 
 def replicas_handover(
@@ -672,7 +698,9 @@ def _router_cpu_request(limit: str) -> str:
     return limit if parse_quantity(limit) < parse_quantity(ROUTER_CPU_REQUEST) else ROUTER_CPU_REQUEST
 
 
-def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> dict[str, Any]:
+def router_deployment(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> dict[str, Any]:
     r = spec.router
     http = {"path": "/ready", "port": "http"}
     container = {
@@ -734,12 +762,7 @@ def router_deployment(owner: Owner, spec: InferenceDeploymentSpec, image: str) -
                     ],
                     # Longer than preStop + the router's own drain (--shutdown-timeout, 30 s).
                     "terminationGracePeriodSeconds": PRESTOP_SECONDS + 30 + 10,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 1000,
-                        "runAsGroup": 1000,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    "securityContext": pod_security_context(ids or PodSecurity(), files=False),
                     "enableServiceLinks": False,
                 },
             },
@@ -815,13 +838,15 @@ def router_rbac(owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
-def router_children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[dict[str, Any]]:
+def router_children(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> list[dict[str, Any]]:
     """The router's children; none with the router off (the handlers delete what is left)."""
     if not spec.router.enabled:
         return []
     return [
         *router_rbac(owner),
-        router_deployment(owner, spec, image),
+        router_deployment(owner, spec, image, ids),
         router_service(owner),
         router_pod_disruption_budget(owner),
     ]
@@ -833,10 +858,12 @@ def endpoint_url(owner: Owner, spec: InferenceDeploymentSpec) -> str:
     return f"http://{host}.{owner.namespace}.svc:{PORT}"
 
 
-def children(owner: Owner, spec: InferenceDeploymentSpec, image: str) -> list[dict[str, Any]]:
+def children(
+    owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
+) -> list[dict[str, Any]]:
     """The workers' children (Deployment or LeaderWorkerSet, Service, PDB). The PDB counts pods:
     one at a time also means one group at a time."""
-    return [workload(owner, spec, image), service(owner, spec), pod_disruption_budget(owner)]
+    return [workload(owner, spec, image, ids), service(owner, spec), pod_disruption_budget(owner)]
 
 
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
@@ -868,8 +895,128 @@ def inference_pool(owner: Owner, spec: InferenceDeploymentSpec) -> dict[str, Any
 
 
 def all_children(
-    owner: Owner, spec: InferenceDeploymentSpec, image: str, router_image: str, pools: bool = False
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    image: str,
+    router_image: str,
+    pools: bool = False,
+    *,
+    policy: AdminPolicy | None = None,
+    operator_namespace: str = "kvscale-system",
 ) -> list[dict[str, Any]]:
-    """Every child; the InferencePool with `pools` (its CRD is served) unless the spec turns it off."""
+    """Every child; the InferencePool with `pools` (its CRD is served) unless the spec turns it
+    off; the NetworkPolicies unless the admin policy does."""
+    policy = policy or AdminPolicy()
+    ids = policy.pod_security
     pool = [inference_pool(owner, spec)] if pools and spec.inference_pool.enabled else []
-    return children(owner, spec, image) + pool + router_children(owner, spec, router_image)
+    return (
+        children(owner, spec, image, ids)
+        + pool
+        + router_children(owner, spec, router_image, ids)
+        + network_policies(owner, spec, policy.network_policy, operator_namespace, pooled=bool(pool))
+    )
+
+
+# --- NetworkPolicies ---------------------------------------------------------------------------
+
+
+def operator_peer(operator_namespace: str) -> dict[str, Any]:
+    """The operator's pods (its autoscaler scrapes the workers' and routers' /metrics)."""
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: operator_namespace}},
+        "podSelector": {"matchLabels": {LABEL_NAME: OPERATOR}},
+    }
+
+
+def _http_from(peers: list[dict[str, Any]]) -> dict[str, Any]:
+    """An ingress rule: `peers` on the workers' and routers' one port (the OpenAI API and
+    /metrics). Fresh lists each time: no object is shared between two children."""
+    return {"from": copy.deepcopy(peers), "ports": [{"protocol": "TCP", "port": PORT}]}
+
+
+def network_policies(
+    owner: Owner,
+    spec: InferenceDeploymentSpec,
+    net: NetworkPolicySettings,
+    operator_namespace: str,
+    *,
+    pooled: bool = False,
+) -> list[dict[str, Any]]:
+    """Ingress NetworkPolicies for the workers (NAME) and the router (NAME-router); egress is
+    left open (model downloads, the API server). The kubelet's probes are node traffic, which
+    NetworkPolicies do not block. `pooled`: an InferencePool is applied, whose gateway sends to
+    the workers directly. None when the admin policy turns them off."""
+    if not net.enabled:
+        return []
+    # A peer without a namespaceSelector: pods of the NetworkPolicy's own namespace.
+    clients = net.clients_from if net.clients_from is not None else [{"podSelector": {}}]
+    scrapers = [operator_peer(operator_namespace), *net.metrics_from]
+    api = "networking.k8s.io/v1"
+    worker_rules: list[dict[str, Any]] = []
+    if spec.router.enabled:
+        worker_rules.append(
+            _http_from([{"podSelector": {"matchLabels": router_selector_labels(owner.name)}}])
+        )
+    if not spec.router.enabled or pooled:  # clients (or a gateway) reach the workers directly
+        worker_rules.append(_http_from(clients))
+    worker_rules.append(_http_from(scrapers))
+    if spec.nodes > 1:
+        # A group's ranks: torch.distributed's rendezvous and NCCL's own (random) ports.
+        worker_rules.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]})
+    out = [
+        {
+            "apiVersion": api,
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(owner),
+            "spec": {
+                "podSelector": {"matchLabels": selector_labels(owner.name)},
+                "policyTypes": ["Ingress"],
+                "ingress": worker_rules,
+            },
+        }
+    ]
+    if spec.router.enabled:
+        out.append(
+            {
+                "apiVersion": api,
+                "kind": "NetworkPolicy",
+                "metadata": _router_metadata(owner),
+                "spec": {
+                    "podSelector": {"matchLabels": router_selector_labels(owner.name)},
+                    "policyTypes": ["Ingress"],
+                    "ingress": [_http_from(clients), _http_from(scrapers)],
+                },
+            }
+        )
+    return out
+
+
+# --- ownership ---------------------------------------------------------------------------------
+
+
+def foreign(live: dict[str, Any] | None, owner: Owner) -> str | None:
+    """Why the live object of a child's name is not ours to apply over (None: it is ours, or
+    there is none). Ours: an owner reference to this resource; or to a resource of this name
+    that is gone (deleted and re-created before the garbage collector came); or, with no
+    controller at all, our managed-by and owner labels (orphaned by `kubectl delete
+    --cascade=orphan`). Anything else someone else made: a forced apply would take it over."""
+    if live is None:
+        return None
+    meta = live.get("metadata") or {}
+    refs = meta.get("ownerReferences") or []
+    if any(r.get("uid") == owner.uid for r in refs):
+        return None
+    controller = next((r for r in refs if r.get("controller")), None)
+    if controller is not None:
+        if (
+            controller.get("kind") == KIND
+            and str(controller.get("apiVersion", "")).startswith(f"{GROUP}/")
+            and controller.get("name") == owner.name
+        ):
+            return None
+        return f"controlled by {controller.get('kind')} {controller.get('name')}"
+    labels_ = meta.get("labels") or {}
+    if labels_.get(LABEL_MANAGED_BY) == MANAGER and labels_.get(LABEL_OWNER) == owner.name:
+        return None
+    by = labels_.get(LABEL_MANAGED_BY)
+    return f"managed by {by}" if by else "not created by the operator"

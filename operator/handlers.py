@@ -46,19 +46,21 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from kvscale.operator import inferencepool, leaderworkerset, metrics
+from kvscale.operator import inferencepool, leaderworkerset, metrics, policy
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     CHILD_KEYS,
     LABEL_MANAGED_BY,
     LABEL_OWNER,
     MANAGER,
+    NETWORK_KEYS,
     ROUTER_KEYS,
     Owner,
     all_children,
     child_key,
     child_name,
     endpoint_url,
+    foreign,
     key_of,
     kind_of,
     replicas_handover,
@@ -101,11 +103,12 @@ CHILD_RESOURCES = {
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
 }
 LISTED_KINDS = tuple(CHILD_RESOURCES)  # and InferencePool, while its CRD is served
 # Children that are deleted when no longer rendered (the router switched off, a pool turned off,
 # the workers moved between a Deployment and a LeaderWorkerSet).
-REMOVABLE_KEYS = (*ROUTER_KEYS, "InferencePool", "Deployment", "LeaderWorkerSet")
+REMOVABLE_KEYS = (*ROUTER_KEYS, *NETWORK_KEYS, "InferencePool", "Deployment", "LeaderWorkerSet")
 # The children of optional APIs (other projects' CRDs), by whether each is served now.
 OPTIONAL_KEYS = ("InferencePool", "LeaderWorkerSet")
 LWS_UNAVAILABLE = "LeaderWorkerSetUnavailable"
@@ -140,6 +143,11 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LWS controller's labe
 LWS_STATUS_LAG_S = 3.0
 
 
+def operator_namespace() -> str:
+    """Where the operator's pods run: the NetworkPolicies let them scrape the workers."""
+    return os.environ.get("POD_NAMESPACE", "kvscale-system")
+
+
 def worker_image() -> str:
     return os.environ.get("KVSCALE_WORKER_IMAGE", DEFAULT_WORKER_IMAGE)
 
@@ -170,6 +178,7 @@ def _json(response) -> dict[str, Any]:
 def _ops(kind: str):
     apps, core, policy = client.AppsV1Api(api()), client.CoreV1Api(api()), client.PolicyV1Api(api())
     rbac = client.RbacAuthorizationV1Api(api())
+    networking = client.NetworkingV1Api(api())
     if kind == "InferencePool":
         return inferencepool.ops(api())
     if kind == "LeaderWorkerSet":
@@ -216,6 +225,13 @@ def _ops(kind: str):
             rbac.list_role_binding_for_all_namespaces,
             rbac.list_namespaced_role_binding,
             rbac.delete_namespaced_role_binding,
+        ),
+        "NetworkPolicy": (
+            networking.read_namespaced_network_policy,
+            networking.patch_namespaced_network_policy,
+            networking.list_network_policy_for_all_namespaces,
+            networking.list_namespaced_network_policy,
+            networking.delete_namespaced_network_policy,
         ),
     }[kind]
 
@@ -405,7 +421,10 @@ def _sync(
         bad_name = name_problem(name)  # the same: the CRD's rule on metadata.name is newer
         if bad_name is not None:
             spec, error = None, ("InvalidSpec", f"invalid name: {bad_name}")
-        if spec is not None:
+        admin, refusal = _admin_policy(spec) if spec is not None else (None, None)
+        if refusal is not None:  # re-checked by every sync: a policy change is seen by the resync
+            error = refusal
+        elif spec is not None:
             refused = None if apply_all else rejected(previous, generation)
             if refused is not None:  # permanent until the spec changes: no write, no new event
                 error = (refused["reason"], refused.get("message", ""))
@@ -419,7 +438,7 @@ def _sync(
                 # A generation not yet applied in full (a failed or interrupted apply) is applied
                 # in full: only an apply removes the fields an older spec set.
                 apply_all = apply_all or (full and status.get("observedGeneration") != generation)
-                error, wrote = _apply_children(cr, spec, kinds, seen, apply_all)
+                error, wrote = _apply_children(cr, spec, kinds, seen, apply_all, admin)
                 applied = full and error is None
         shown = error
         if error is None and not full:
@@ -455,6 +474,19 @@ def _sync(
         return error
 
 
+def _admin_policy(
+    spec: InferenceDeploymentSpec,
+) -> tuple[policy.AdminPolicy | None, tuple[str, str] | None]:
+    """The admin policy in force, and (reason, message) when it refuses the spec or cannot be
+    read (nothing is applied then); no refusal when it allows the spec."""
+    try:
+        admin = policy.load()
+    except policy.PolicyError as e:
+        return None, ("PolicyInvalid", str(e))
+    violations = policy.check(spec, admin)
+    return admin, (("PolicyViolation", policy.refusal(violations)) if violations else None)
+
+
 def _workload_status(
     key: str, name: str, namespace: str, seen: dict[str, dict[str, Any] | None]
 ) -> dict[str, Any] | None:
@@ -484,6 +516,7 @@ def _apply_children(
     kinds: Collection[str],
     seen: dict[str, dict[str, Any] | None],
     apply_all: bool,
+    admin: policy.AdminPolicy | None = None,
 ) -> tuple[tuple[str, str] | None, bool]:
     """(the error that stopped it, whether any child was written); `seen` gets what is live."""
     name, namespace = cr["metadata"]["name"], cr["metadata"]["namespace"]
@@ -491,7 +524,13 @@ def _apply_children(
     wrote = False
     owner = Owner(name, namespace, cr["metadata"]["uid"])
     rendered = all_children(
-        owner, spec, spec.image or worker_image(), spec.router.image or router_image(), pools=pools_served
+        owner,
+        spec,
+        spec.image or worker_image(),
+        spec.router.image or router_image(),
+        pools=pools_served,
+        policy=admin,
+        operator_namespace=operator_namespace(),
     )
     keys = {key_of(c) for c in rendered}
     for key in REMOVABLE_KEYS:  # the router (or the pool) switched off: what is left of it goes
@@ -521,6 +560,14 @@ def _apply_children(
             if not drift and not apply_all:
                 seen[key] = before
                 continue
+            taken = foreign(before, owner)
+            if taken is not None:  # never a forced apply over someone else's object
+                message = (
+                    f"the {kind} {namespace}/{child_name_} exists and is not this resource's "
+                    f"({taken}): not taken over; delete or rename it"
+                )
+                logger.warning("%s/%s: %s", namespace, name, message)
+                return ("ChildConflict", message), wrote
             if drift and not apply_all:  # healing: it was deleted or changed by hand
                 metrics.CHILD_REAPPLIES.labels(kind).inc()
             if (
@@ -715,6 +762,11 @@ def role_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
 @kopf.on.event(*CHILD_RESOURCES["RoleBinding"])
 def role_binding_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
     _child_changed("RoleBinding", body, type)
+
+
+@kopf.on.event(*CHILD_RESOURCES["NetworkPolicy"])
+def network_policy_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    _child_changed("NetworkPolicy", body, type)
 
 
 def list_resources() -> list[dict[str, Any]]:

@@ -26,7 +26,10 @@ PERMANENT_REASONS = ("InvalidSpec", "ApplyRejected")
 # the spec's author fixes (a raised ResourceQuota, a changed admission policy, granted RBAC),
 # after which the resource recovers without a spec edit.
 RETRIED_REASONS = ("ApplyFailed", "QuotaExceeded", "AdmissionDenied", "Forbidden")
-APPLY_FAILURES = (*PERMANENT_REASONS, *RETRIED_REASONS)
+# The refusals every sync checks again (a policy or a foreign object can change without a spec
+# change; no write while the message stays the same).
+RECHECKED_REASONS = ("PolicyViolation", "PolicyInvalid", "ChildConflict")
+APPLY_FAILURES = (*PERMANENT_REASONS, *RETRIED_REASONS, *RECHECKED_REASONS)
 # 4xx that are worth retrying: a timeout, a conflict (an object being deleted, a lost race),
 # too early, too many requests. Every other 4xx is the API refusing what we sent.
 TRANSIENT_4XX = frozenset({408, 409, 425, 429})

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import kopf
 import pytest
@@ -28,12 +29,13 @@ MANIFESTS = REPO / "manifests"
 SA = {"kind": "ServiceAccount", "name": "kvscale-operator", "namespace": "kvscale-system"}
 RBAC = "rbac.authorization.k8s.io"
 APPLIED = ("deployments", "services", "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings")
-APPLIED += ("inferencepools", "leaderworkersets")
+APPLIED += ("inferencepools", "leaderworkersets", "networkpolicies")
 CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions")}
 
 # Every Kubernetes client method the operator's code calls: (API group, resource, verb, scope).
 # "cluster": a request across namespaces (only a ClusterRole allows it); "namespaced": in the
-# resource's namespace; "lease": in the operator's own namespace.
+# resource's namespace; "lease": in the operator's own namespace; "marks": in the namespaces an
+# admin grants it in (kvscale-operator-pod-marks, bound per namespace: never cluster-wide).
 API_CALLS = {
     "get_namespaced_custom_object": (GROUP, PLURAL, "get", "namespaced"),
     "list_cluster_custom_object": (GROUP, PLURAL, "list", "cluster"),
@@ -75,7 +77,12 @@ API_CALLS = {
     "delete_namespaced_role_binding": (RBAC, "rolebindings", "delete", "namespaced"),
     "list_namespaced_pod": ("", "pods", "list", "namespaced"),
     "list_pod_for_all_namespaces": ("", "pods", "list", "cluster"),
-    "patch_namespaced_pod": ("", "pods", "patch", "namespaced"),
+    "patch_namespaced_pod": ("", "pods", "patch", "marks"),
+    "read_namespaced_network_policy": ("networking.k8s.io", "networkpolicies", "get", "namespaced"),
+    "patch_namespaced_network_policy": ("networking.k8s.io", "networkpolicies", "patch", "namespaced"),
+    "list_network_policy_for_all_namespaces": ("networking.k8s.io", "networkpolicies", "list", "cluster"),
+    "list_namespaced_network_policy": ("networking.k8s.io", "networkpolicies", "list", "namespaced"),
+    "delete_namespaced_network_policy": ("networking.k8s.io", "networkpolicies", "delete", "namespaced"),
     "create_namespaced_event": ("", "events", "create", "namespaced"),
     "read_namespaced_lease": ("coordination.k8s.io", "leases", "get", "lease"),
     "create_namespaced_lease": ("coordination.k8s.io", "leases", "create", "lease"),
@@ -193,6 +200,7 @@ def admission_checks() -> set[tuple[str, str, str]]:
     plurals["ServiceAccount"] = ("", "serviceaccounts")
     plurals.update(Role=(RBAC, "roles"), RoleBinding=(RBAC, "rolebindings"), InferencePool=POOLS)
     plurals["LeaderWorkerSet"] = LWS
+    plurals["NetworkPolicy"] = ("networking.k8s.io", "networkpolicies")
     checks = set()
     rendered = [
         child
@@ -210,7 +218,12 @@ def admission_checks() -> set[tuple[str, str, str]]:
 
 def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
     """By scope ('cluster', 'namespaced', 'lease'), what the operator needs granted."""
-    out: dict[str, set[tuple[str, str, str]]] = {"cluster": set(), "namespaced": set(), "lease": set()}
+    out: dict[str, set[tuple[str, str, str]]] = {
+        "cluster": set(),
+        "namespaced": set(),
+        "lease": set(),
+        "marks": set(),
+    }
     for name, files in operator_calls().items():
         call, _, watched = name.partition(":")
         for f in files:
@@ -272,6 +285,53 @@ def test_the_cluster_wide_install_grants_everything_the_operator_sends():
     assert cluster <= need["cluster"] | need["namespaced"], cluster - need["cluster"] - need["namespaced"]
 
 
+def test_no_cluster_wide_pod_patch_the_marks_role_is_bound_per_namespace_only():
+    objects = docs(MANIFESTS / "rbac.yaml")
+    cluster = grants(bound_roles(objects)[("kvscale-operator", None)])
+    assert ("", "pods", "patch") not in cluster
+    assert not {g for g in cluster if g[1] == "pods" and g[2] not in ("list", "watch")}
+    marks = next(
+        o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("pod-marks")
+    )
+    assert grants(marks) == needed(clusterwide=True)["marks"] == {("", "pods", "patch")}
+    assert not [
+        b
+        for b in objects
+        if b["kind"] == "ClusterRoleBinding" and b["roleRef"]["name"] == marks["metadata"]["name"]
+    ]
+
+
+class FakeAuthorization:
+    answers: ClassVar[list[bool]] = []
+    asked: ClassVar[list[dict]] = []
+
+    def __init__(self, _api=None) -> None:
+        pass
+
+    def create_self_subject_access_review(self, body, **_):
+        FakeAuthorization.asked.append(body)
+        return SimpleNamespace(status=SimpleNamespace(allowed=FakeAuthorization.answers.pop(0)))
+
+
+def test_the_autoscaler_asks_before_marking_pods_and_caches_the_answer(monkeypatch):
+    from kvscale.operator import access
+
+    now = [0.0]
+    monkeypatch.setattr(access.client, "AuthorizationV1Api", FakeAuthorization)
+    monkeypatch.setattr(access, "_answers", {})
+    FakeAuthorization.answers, FakeAuthorization.asked = [False, True], []
+    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is False
+    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is False  # cached
+    assert FakeAuthorization.asked[0]["spec"]["resourceAttributes"] == {
+        "namespace": "tenant-a",
+        "verb": "patch",
+        "resource": "pods",
+    }
+    now[0] = access.TTL_S  # a RoleBinding added since: seen after the TTL
+    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is True
+    assert len(FakeAuthorization.asked) == 2
+
+
 def namespaced_overlay() -> tuple[list[dict], tuple[str, ...]]:
     """manifests/namespaced/: its objects (the base's, plus rbac.yaml) and the namespaces its
     Deployment patch tells the operator to watch."""
@@ -300,8 +360,9 @@ def test_the_namespaced_install_has_the_cluster_roles_rules_as_roles_in_every_wa
     same = {g for g in grants(cluster_role) if (g[0], g[1]) not in CLUSTER_SCOPED}
     for namespace in watched:
         role = grants(roles[("kvscale-operator", namespace)])
-        assert need["namespaced"] <= role, need["namespaced"] - role
-        assert role == same, role ^ same  # the two modes grant the same per namespace
+        assert need["namespaced"] | need["marks"] <= role, need["namespaced"] | need["marks"] - role
+        # The two modes grant the same per namespace, and the Role the pod marks too.
+        assert role == same | need["marks"], role ^ (same | need["marks"])
     assert {ns for _, ns in roles} == {*watched, "kvscale-system"}
     assert need["cluster"] == set()
     assert need["lease"] <= grants(roles[("kvscale-operator-leader", "kvscale-system")])
@@ -322,6 +383,7 @@ def test_both_kustomizations_render_and_differ_only_in_the_operators_rights():
     assert not [k for k in namespaced if k[0].startswith("Cluster")]
     assert {k for k in cluster if k[0].startswith("Cluster")} == {
         ("ClusterRole", "kvscale-operator", None),
+        ("ClusterRole", "kvscale-operator-pod-marks", None),
         ("ClusterRoleBinding", "kvscale-operator", None),
         ("ClusterRole", "kvscale-inferencedeployments-edit", None),
         ("ClusterRole", "kvscale-inferencedeployments-view", None),
@@ -422,7 +484,7 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
     recorder = Recorder()
     monkeypatch.setattr(handlers, "api", lambda: None)
     monkeypatch.setattr(handlers.client, "CustomObjectsApi", lambda _: recorder)
-    for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api", "RbacAuthorizationV1Api"):
+    for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api", "RbacAuthorizationV1Api", "NetworkingV1Api"):
         monkeypatch.setattr(handlers.client, typed, lambda _: recorder)
     monkeypatch.setattr(handlers, "watch_namespaces", namespaces)
     resources = handlers.list_resources()
@@ -438,6 +500,7 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
             "list_service_account_for_all_namespaces",
             "list_role_for_all_namespaces",
             "list_role_binding_for_all_namespaces",
+            "list_network_policy_for_all_namespaces",
         ]
         return
     assert all(API_CALLS[n][3] == "namespaced" for n in names), names
@@ -452,5 +515,6 @@ def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces
         "list_namespaced_service_account",
         "list_namespaced_role",
         "list_namespaced_role_binding",
+        "list_namespaced_network_policy",
     ):
         assert [ns for n, ns in listed if n == method] == ["team-a", "team-b"]

@@ -214,7 +214,7 @@ def test_every_child_watch_is_filtered_by_the_api_server_and_nothing_adds_a_fina
     registry = kopf.get_default_registry()
     watched = [h.selector for h in registry._watching.get_all_handlers() if h.selector.group != GROUP]
     # the children, and the worker pods (their model downloads)
-    assert len(watched) == len(handlers.CHILD_RESOURCES) + 1 == 7
+    assert len(watched) == len(handlers.CHILD_RESOURCES) + 1 == 8
     for selector in watched:
         plural = selector.any_name
         resource = kopf.Resource(selector.group, selector.version, plural)
@@ -226,6 +226,7 @@ def test_every_child_watch_is_filtered_by_the_api_server_and_nothing_adds_a_fina
             "serviceaccounts",
             "roles",
             "rolebindings",
+            "networkpolicies",
             "pods",
         )
     assert not registry._spawning.get_all_handlers()  # no kopf timers or daemons
@@ -699,7 +700,7 @@ def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(clu
     cluster.resource["spec"] = {**SPEC, "router": {"enabled": False}}
     cluster.calls.clear()
     reconcile()
-    assert sorted(cluster.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert sorted(cluster.objects) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
     assert sorted(c[1] for c in cluster.calls if c[0] == "delete") == sorted(
         [
             "RouterDeployment",
@@ -708,6 +709,7 @@ def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(clu
             "ServiceAccount",
             "Role",
             "RoleBinding",
+            "RouterNetworkPolicy",
         ]
     )
     assert cluster.resource["status"]["endpoint"] == "http://tiny.ns.svc:8000"
