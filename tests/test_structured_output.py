@@ -289,11 +289,11 @@ class GatedBackend(XgrammarBackend):
         self.gate = threading.Event()
         self.fail = False
 
-    def compile(self, params):
+    def compile(self, params, parsed=None):
         assert self.gate.wait(30)
         if self.fail:
             raise RuntimeError("compile failed on purpose")
-        return super().compile(params)
+        return super().compile(params, parsed)
 
 
 @pytest.fixture

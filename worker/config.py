@@ -45,6 +45,12 @@ class EngineArgs:
     # work hides behind the device's (vLLM's --async-scheduling; docs/engine.md). For GPUs: on a
     # CPU the forward holds the cores itself and nothing overlaps.
     async_scheduling: bool = False
+    # Structured outputs (docs/server.md, Limits): grammar-compile threads (each client may hold half
+    # of them), and the byte budget of the compiled-grammar cache.
+    grammar_compile_workers: int = 2
+    grammar_cache_bytes: int = 512 * 2**20
+    # Seconds a server request may wait for its grammar (queue and compile): past it, a 408.
+    grammar_compile_timeout: float | None = 10.0
     # Speculative decoding (docs/speculative.md): a draft model or n-gram prompt lookup proposes up to
     # num_speculative_tokens per step; the target verifies them all in one forward.
     speculative_method: str | None = None  # draft | ngram; a draft_model alone implies draft
@@ -73,6 +79,12 @@ class EngineArgs:
             ),
             (self.max_num_seqs >= 1, f"max_num_seqs must be positive, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),
+            (self.grammar_compile_workers >= 1, "grammar_compile_workers must be positive"),
+            (self.grammar_cache_bytes >= 0, "grammar_cache_bytes must not be negative"),
+            (
+                self.grammar_compile_timeout is None or self.grammar_compile_timeout > 0,
+                "grammar_compile_timeout must be positive",
+            ),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be positive"),
             (
                 self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import logging
 import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
 from kvscale.worker.config import EngineArgs
@@ -26,6 +27,7 @@ from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.worker.structured_output.manager import GrammarCompileTimeout, GrammarHandle
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,10 @@ class AsyncLLM:
             name_native_thread(ENGINE_THREAD)
             try:
                 self.engine = LLMEngine(self.args)
+                # The grammar library's vocabulary tables, before Ready: built by the first
+                # constrained request, they held the GIL (and so the event loop) for ~100 ms.
+                with contextlib.suppress(ValueError):  # no xgrammar: constraints are refused later
+                    _ = self.engine.structured_output
                 self.metrics.cache_config(
                     self.args.block_size,
                     self.engine.kv_cache_manager.num_blocks,
@@ -168,15 +174,23 @@ class AsyncLLM:
         return len(self.engine.scheduler.waiting) + self._num_submitted - self._num_taken
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        grammar: GrammarHandle | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas (what is new since the previous one) until the request finishes. Raises
         ValueError at once when the request can never run. Leaving the iteration early
-        (disconnect, cancel) aborts the request."""
+        (disconnect, cancel) aborts the request. A constrained request needs `grammar`, from
+        prepare_grammar (prepared here when not given): make_request runs on the event loop, and
+        must not parse the constraint."""
         if self.dead is not None:
             raise EngineDeadError("the engine loop has failed") from self.dead
         assert self.engine is not None
-        parent = self.engine.make_request(prompt, params, request_id)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = await self.prepare_grammar(params)
+        parent = self.engine.make_request(prompt, params, request_id, grammar=grammar)
         stream = _Stream()
         self._streams[request_id] = stream
         self._num_submitted += len(parent.children)
@@ -200,6 +214,36 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def prepare_grammar(self, params: SamplingParams, client: Hashable = None) -> GrammarHandle:
+        """The constraint checked and compiled (or taken from the cache) before the request is
+        queued, all off the event loop; the wait counts toward no admission cap, and it is bounded
+        by grammar_compile_timeout (GrammarCompileTimeout). A caller that leaves (cancelled) stops
+        waiting: a compile nobody else waits for is dropped unrun. Raises ValueError for a
+        constraint that cannot be enforced, PoolFull while the compile queues are full."""
+        assert self.engine is not None
+        loop = asyncio.get_running_loop()
+        handle = await loop.run_in_executor(None, self.engine.prepare_grammar, params, client)
+        waiting = asyncio.wrap_future(handle.future)
+        # Never cancel `waiting`: that would cancel the compile other requests share.
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            done, _ = await asyncio.wait([waiting], timeout=self.args.grammar_compile_timeout)
+        except BaseException:
+            handle.release()
+            raise
+        if not done:
+            handle.release()
+            raise GrammarCompileTimeout(
+                f"the grammar did not compile within {self.args.grammar_compile_timeout} s "
+                "(--grammar-compile-timeout); it is cached if it completes, so a retry may succeed"
+            )
+        if waiting.cancelled():  # the pool shut down
+            raise EngineDeadError("the grammar compile was cancelled: the server is shutting down")
+        error = waiting.exception()
+        if error is not None:
+            raise error if isinstance(error, ValueError) else ValueError(f"grammar compile failed: {error}")
+        return handle
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

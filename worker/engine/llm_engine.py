@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Hashable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_costs
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
 from kvscale.worker.spec_decode.ngram_proposer import NgramProposer
-from kvscale.worker.structured_output.manager import StructuredOutputManager
+from kvscale.worker.structured_output.manager import GrammarHandle, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -187,17 +188,30 @@ class LLMEngine:
                         f"structured outputs need xgrammar (pip install xgrammar): {e}"
                     ) from None
                 backend = XgrammarBackend(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-                self._structured_output = StructuredOutputManager(backend)
+                self._structured_output = StructuredOutputManager(
+                    backend, self.args.grammar_compile_workers, self.args.grammar_cache_bytes
+                )
             return self._structured_output
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued. The
+        """Refuse (ValueError) a constraint that cannot be enforced, before anything is queued:
+        its budgets and the keywords the grammar library would ignore (no grammar is parsed). The
         first call loads the grammar library's view of the vocabulary: the server calls this off
-        its event loop first."""
+        its event loop."""
         if params.min_tokens > 0:
             # min_tokens bans EOS, which is all a complete grammar allows: nothing could be sampled.
             raise ValueError("min_tokens cannot be combined with structured outputs")
         self.structured_output.validate(params.structured_outputs)
+
+    def prepare_grammar(self, params: SamplingParams, client: Hashable = None) -> GrammarHandle:
+        """The server's first step for a constrained request (off its event loop): the checks of
+        check_structured_outputs, then the grammar's compile, cached or queued on the compile pool
+        for `client`. The server waits for the handle's future, then passes the handle to
+        make_request: one parse and one compile per distinct constraint. Raises ValueError or
+        PoolFull."""
+        if params.min_tokens > 0:
+            raise ValueError("min_tokens cannot be combined with structured outputs")
+        return self.structured_output.prepare(params.structured_outputs, client)
 
     # -- requests in and out -----------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -215,9 +229,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        grammar: GrammarHandle | None = None,
     ) -> ParentRequest:
         """Tokenize and validate a request without queueing it (raises ValueError when it can never
-        run). Touches no scheduler state, so the server calls it from its own thread."""
+        run). Touches no scheduler state, so the server calls it from its own thread. `grammar`:
+        the constraint's compile from prepare_grammar (nothing about it is checked or parsed
+        again); without it the constraint is checked and parsed here, and compiles in the
+        background."""
         params = (params or SamplingParams()).with_defaults(self.default_sampling_params)
         if request_id is None:  # skip ids the caller chose for earlier requests
             request_id = str(next(self._ids))
@@ -231,8 +249,13 @@ class LLMEngine:
             prompt_ids
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if params.structured_outputs is not None:
+        grammar_future = None if grammar is None else grammar.future
+        parsed = None
+        if params.structured_outputs is not None and grammar is None:
             self.check_structured_outputs(params)
+            if not self.structured_output.is_cached(params.structured_outputs):
+                # Parsed here, so that a malformed constraint is refused now; compiled once, from this.
+                parsed = self.structured_output.backend.parse(params.structured_outputs)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -249,7 +272,8 @@ class LLMEngine:
                 # Its own seed per sequence; the sampler derives each position's noise from it.
                 child.seed = params.seed + i
             if params.structured_outputs is not None:  # compiles (once, cached) in the background
-                child.structured_output = self.structured_output.init_request(params.structured_outputs)
+                so = self.structured_output.init_request(params.structured_outputs, grammar_future, parsed)
+                child.structured_output, grammar_future = so, so.compiled
             children.append(child)
         self.scheduler.check_admissible(children[0])
         detokenizers = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -48,6 +49,8 @@ from kvscale.worker.server.tool_calls import (
 )
 from kvscale.worker.server.tool_calls import finish_reason as tool_finish_reason
 from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
+from kvscale.worker.structured_output.compile_pool import PoolFull
+from kvscale.worker.structured_output.manager import GrammarCompileTimeout, GrammarHandle
 
 logger = logging.getLogger("kvscale.worker.requests")
 
@@ -132,6 +135,16 @@ class ServingConfig:
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` calls (tool_parsers.py)
 
 
+def client_key(request: web.Request) -> str:
+    """Whom a request's grammar compiles are counted against (fair share of the compile pool): its
+    API key when it sends one (hashed: never kept in the clear), else its peer address. Behind the
+    router every request shares the router's address unless it carries a key."""
+    auth = request.headers.get("Authorization", "")
+    if auth:
+        return "key:" + hashlib.sha256(auth.encode()).hexdigest()[:16]
+    return f"peer:{request.remote}"
+
+
 def _bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -213,15 +226,26 @@ class OpenAIServing:
         except ValueError as e:
             raise _bad_request(str(e)) from None
 
-    async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
-        """A 400 naming `param` for a constraint the engine cannot enforce (an unsupported JSON
-        schema keyword, a malformed regex or grammar), before anything is
-        queued. Off the event loop: the first one builds the grammar library's vocabulary tables."""
+    async def prepare_grammar(
+        self, request: web.Request, params: SamplingParams, param: str | None
+    ) -> GrammarHandle | None:
+        """The request's grammar, compiled (or from the cache) before it is queued: a 400 naming
+        `param` for a constraint the engine cannot enforce (an unsupported JSON schema keyword, a
+        malformed regex or grammar), a 429 while the compile queues are full, a 408 past the
+        compile deadline. Nothing of it runs on the event loop, and the wait counts toward no
+        admission cap. Compiles are shared fairly between clients (compile_pool.py)."""
         if params.structured_outputs is None:
-            return
-        engine = self.llm.engine
+            return None
         try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.check_structured_outputs, params)
+            return await self.llm.prepare_grammar(params, client_key(request))
+        except PoolFull as e:
+            self.llm.metrics.rejected.inc(reason="grammar_queue_full")
+            raise APIError(
+                429, f"{e}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            ) from None  # fmt: skip
+        except GrammarCompileTimeout as e:
+            raise APIError(408, str(e), param=param, code="grammar_compile_timeout") from None
         except ValueError as e:
             raise _bad_request(str(e), param=param) from None
 
@@ -281,11 +305,18 @@ class OpenAIServing:
 
     # -- running the engine --------------------------------------------------------------------
     async def run(
-        self, prompts: list[list[int]], params: list[SamplingParams], request_id: str
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        request_id: str,
+        grammar: GrammarHandle | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of all prompts of one API request as they come: (prompt index, output)."""
+        """Outputs of all prompts of one API request as they come: (prompt index, output). The
+        prompts share one constraint, and `grammar` is its compile."""
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        gens = [self.llm.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, ids, strict=True)]
+        gens = [
+            self.llm.generate(p, sp, rid, grammar) for p, sp, rid in zip(prompts, params, ids, strict=True)
+        ]
         if len(gens) == 1:
             async with contextlib.aclosing(gens[0]) as gen:
                 async for out in gen:
@@ -330,7 +361,7 @@ class OpenAIServing:
             )
             for p in prompts
         ]
-        await self.check_structured_outputs(params[0], body.structured_outputs_param)
+        grammar = await self.prepare_grammar(request, params[0], body.structured_outputs_param)
         self.check_capacity(len(prompts) * body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -362,7 +393,7 @@ class OpenAIServing:
             "model": self.config.served_model_name,
         }
         if not body.stream:
-            finals = await self._collect(self.run(prompts, params, request_id), len(prompts))
+            finals = await self._collect(self.run(prompts, params, request_id, grammar), len(prompts))
             choices = [
                 choice(i, c, echo_text[i] + c.text, len(echo_text[i]))
                 for i, out in enumerate(finals)
@@ -390,7 +421,7 @@ class OpenAIServing:
             return choice(i, c, c.text, offset)
 
         return await self._stream(
-            request, request_id, prompts, params, body.include_usage, base, first_delta, delta
+            request, request_id, prompts, params, body.include_usage, base, first_delta, delta, grammar
         )
 
     def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
@@ -416,7 +447,7 @@ class OpenAIServing:
         )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
-        await self.check_structured_outputs(params, body.structured_outputs_param)
+        grammar = await self.prepare_grammar(request, params, body.structured_outputs_param)
         self.check_capacity(body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
@@ -438,7 +469,7 @@ class OpenAIServing:
             )
 
         if not body.stream:
-            finals = await self._collect(self.run([prompt], [params], request_id), 1)
+            finals = await self._collect(self.run([prompt], [params], request_id, grammar), 1)
             choices = []
             for c in finals[0].outputs:
                 msg, reason = message(c)
@@ -474,7 +505,7 @@ class OpenAIServing:
 
         chunk = {**base, "object": "chat.completion.chunk"}
         return await self._stream(
-            request, request_id, [prompt], [params], body.include_usage, chunk, first_delta, delta
+            request, request_id, [prompt], [params], body.include_usage, chunk, first_delta, delta, grammar
         )
 
     def tool_call_extractor(self, body: ChatCompletionRequest) -> Callable[[], Extractor] | None:
@@ -531,6 +562,7 @@ class OpenAIServing:
         base: dict[str, Any],
         first_delta: Callable[[int, CompletionOutput], dict[str, Any] | None],
         delta: Callable[[int, CompletionOutput], dict[str, Any]],
+        grammar: GrammarHandle | None = None,
     ) -> web.StreamResponse:
         """SSE: one `data:` event per step with each choice's delta (new text, its logprobs), then
         `data: [DONE]`."""
@@ -559,7 +591,7 @@ class OpenAIServing:
             await write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         try:
-            async for i, out in self.run(prompts, params, request_id):
+            async for i, out in self.run(prompts, params, request_id, grammar):
                 firsts, choices = [], []
                 for c in out.outputs:
                     key = (i, c.index)

@@ -20,6 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, fi
 from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscale.worker.server.errors import APIError
 from kvscale.worker.server.tool_calls import parameters_schema, required_calls_schema
+from kvscale.worker.structured_output.budget import (
+    MAX_TOOL_SCHEMA_BYTES,
+    BudgetError,
+    check_constraint,
+    check_json_schema,
+)
 
 # Bounds on the work one request may ask for (docs/server.md has the table). The prompt itself is
 # bounded by max_model_len, and its bytes before tokenization by max_model_len x the longest token.
@@ -104,6 +110,16 @@ _GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+
+
+def _within_budget(params: StructuredOutputsParams, param: str) -> StructuredOutputsParams:
+    """A 400 naming `param` for a constraint over its budget (structured_output/budget.py): a cheap,
+    bounded walk, before anything is parsed into a grammar or compiled."""
+    try:
+        check_constraint(params.kind, getattr(params, params.kind))
+    except ValueError as e:  # BudgetError, or JSON text that does not parse
+        raise APIError(400, str(e), param=param) from None
+    return params
 
 
 class _SamplingFields(BaseModel):
@@ -232,7 +248,7 @@ class _SamplingFields(BaseModel):
                     400, f"tool_choice forces a call, which {given[0][0]} cannot also constrain",
                     param="tool_choice",
                 )  # fmt: skip
-            return tool_constraint
+            return _within_budget(tool_constraint, "tools")
         if not given:
             return None
         if len(given) > 1:
@@ -242,9 +258,16 @@ class _SamplingFields(BaseModel):
             )
         param, fields = given[0]
         try:
-            return StructuredOutputsParams(**fields)
+            params = StructuredOutputsParams(**fields)
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
+        if param == "response_format":
+            field = "response_format.json_schema.schema"
+        elif param == "structured_outputs":
+            field = f"structured_outputs.{params.kind}"
+        else:
+            field = param
+        return _within_budget(params, field)
 
     def tool_constraint(self) -> StructuredOutputsParams | None:
         """The constraint the request's tool_choice imposes (chat only)."""
@@ -323,6 +346,17 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None  # a JSON schema; absent: the function takes none
     strict: bool | None = None  # required and named calls are always enforced; auto ones never
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_within_budget(cls, v):
+        # Every tool's schema goes to the chat template and may become a grammar (required, named).
+        if v is not None:
+            try:
+                check_json_schema(v, MAX_TOOL_SCHEMA_BYTES)
+            except BudgetError as e:
+                raise ValueError(str(e)) from None
+        return v
+
 
 class Tool(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -361,7 +395,7 @@ class ToolCallItem(BaseModel):
     def template_call(self) -> dict[str, Any]:
         try:
             arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
             arguments = self.function.arguments
         return {
             "id": self.id,

@@ -39,13 +39,22 @@ class StructuredOutputGrammar(ABC):
 class StructuredOutputBackend(ABC):
     @abstractmethod
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError, saying why, for a constraint this backend cannot enforce exactly (a
-        malformed schema, regex or grammar, or a JSON schema keyword it would silently ignore).
-        Cheap: called before the request is queued."""
+        """Raise ValueError, saying why, for a constraint over its budget (budget.py) or one this
+        backend cannot enforce exactly (a JSON schema keyword it would silently ignore). Cheap and
+        without parsing the grammar: called before the request is queued."""
 
     @abstractmethod
-    def compile(self, params: StructuredOutputsParams) -> object:
-        """The compiled grammar (opaque); slow, thread-safe, called from a worker thread."""
+    def parse(self, params: StructuredOutputsParams) -> object:
+        """The constraint parsed (opaque); ValueError, saying why, for a malformed one."""
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams, parsed: object = None) -> object:
+        """The compiled grammar (opaque) of `parsed` (parse(params) when None); ValueError for a
+        malformed constraint. Slow, thread-safe, called from a pool thread."""
+
+    def memory_size_bytes(self, compiled: object) -> int:
+        """What a compiled grammar holds in memory (the compile cache's byte budget)."""
+        return 0
 
     @abstractmethod
     def new_matcher(self, compiled: object) -> StructuredOutputGrammar:

@@ -1,10 +1,14 @@
 """StructuredOutputManager: compiles grammars off the step loop and builds each step's bitmask.
 
-Compiling a grammar takes milliseconds to seconds (a large schema over a large vocabulary), far
-longer than a step, so it runs on a small thread pool; the request waits in WAITING_FOR_GRAMMAR
-and the scheduler admits the others meanwhile. Compiled grammars are cached by their constraint
-(`StructuredOutputsParams.key`, least recently used out first), and a compile in flight is shared:
-the cache holds futures.
+Compiling a grammar takes milliseconds to seconds, far longer than a step, so it runs on a bounded
+pool of threads shared fairly between clients (compile_pool.py). The server asks for the compile
+first (`prepare`, off its event loop) and waits for it before queueing the request, so a request
+reaches the scheduler with its grammar ready; the offline API queues it at once and it waits in
+WAITING_FOR_GRAMMAR. Each constraint is parsed once, inside its compile job. Compiled grammars
+are cached by their constraint (`StructuredOutputsParams.key`, least recently used out first)
+within a byte budget (xgrammar's `memory_size_bytes`), and a compile in flight is shared: the
+cache holds futures. A compile nobody waits for any more (its clients left) is cancelled if it
+has not started.
 """
 
 from __future__ import annotations
@@ -12,16 +16,46 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from kvscale.worker.core.request import Request
 from kvscale.worker.sample.sampling_params import StructuredOutputsParams
 from kvscale.worker.structured_output.backend import StructuredOutputBackend
+from kvscale.worker.structured_output.compile_pool import CompilePool
 from kvscale.worker.structured_output.request import StructuredOutputRequest
+
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+class GrammarCompileTimeout(TimeoutError):
+    """A request's grammar did not compile within its deadline (the compile itself runs on)."""
+
+
+@dataclass
+class _Entry:
+    future: Future
+    waiters: int = 0  # server requests waiting for this compile (prepare without release)
+    size: int = 0  # bytes, once compiled
+
+
+@dataclass
+class GrammarHandle:
+    """A compile asked for by `prepare`: the server waits on `future`, then hands the handle to the
+    engine's make_request; `release` when it stops waiting before the compile is done."""
+
+    key: tuple
+    future: Future
+    _release: Callable[[], None] = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
 
 
 @dataclass
@@ -52,38 +86,93 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend: StructuredOutputBackend, max_workers: int = 1, cache_size: int = 256) -> None:
+    def __init__(
+        self, backend: StructuredOutputBackend, max_workers: int = 2,
+        cache_bytes: int = DEFAULT_CACHE_BYTES, per_client: int | None = None,
+    ) -> None:  # fmt: skip
         self.backend = backend
-        self.cache_size = cache_size
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self.cache_bytes = cache_bytes
+        self.pool = CompilePool(max_workers, per_client)
+        self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._cached_bytes = 0
+        # Reentrant: a future done at once runs its done callback (_on_done) in the caller, under the lock.
+        self._lock = threading.RLock()
         self._bitmask = backend.allocate_bitmask(8)
         self._verify_bitmask = backend.allocate_bitmask(8)  # speculation's rows (constrain_proposals)
         # Drained by take_compile_times (metrics): seconds per compile, from the pool threads.
         self._compile_times: list[float] = []
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Raise ValueError for a constraint that cannot be enforced; before the request is queued."""
+        """Raise ValueError for a constraint that cannot be enforced; cheap (no grammar parse)."""
         self.backend.validate(params)
 
-    def init_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """A sequence's state, its grammar taken from the cache or compiled in the background."""
+    def prepare(self, params: StructuredOutputsParams, client: Hashable = None) -> GrammarHandle:
+        """The server's entry (off the event loop): check the constraint, then its compile from the
+        cache or queued on the pool for `client`. Raises ValueError (never enforceable) or PoolFull."""
+        self.backend.validate(params)
         key = params.key
+        entry = self._entry(key, lambda: self.pool.submit(lambda: self._compile(params), client))
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None and future.done() and future.exception() is not None:
-                future = None  # a failed compile is not kept: the next request tries again
-            if future is None:
-                future = self._cache[key] = self._pool.submit(self._compile, params)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
+            entry.waiters += 1
+        return GrammarHandle(key, entry.future, lambda: self._release(key, entry))
+
+    def init_request(
+        self, params: StructuredOutputsParams, future: Future | None = None, parsed: object = None
+    ) -> StructuredOutputRequest:
+        """A sequence's state: its grammar's compile (`future`, from prepare or an earlier call), else
+        taken from the cache or queued (`parsed`: the constraint already parsed by the caller, so it
+        is not parsed twice). The offline API's compiles are not bounded by the pool's queues."""
+        if future is None:
+            submit = lambda: self.pool.submit(lambda: self._compile(params, parsed), bounded=False)  # noqa: E731
+            future = self._entry(params.key, submit).future
         return StructuredOutputRequest(params, future, self.backend.new_matcher)
 
-    def _compile(self, params: StructuredOutputsParams) -> object:
+    def is_cached(self, params: StructuredOutputsParams) -> bool:
+        """A compile of this constraint is cached or in flight (and has not failed)."""
+        with self._lock:
+            entry = self._cache.get(params.key)
+            return entry is not None and not (entry.future.done() and entry.future.exception() is not None)
+
+    def _entry(self, key: tuple, submit: Callable[[], Future]) -> _Entry:
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None and entry.future.done() and entry.future.exception() is not None:
+                entry = None  # a failed compile is not kept: the next request tries again
+            if entry is None:
+                entry = self._cache[key] = _Entry(submit())
+                entry.future.add_done_callback(lambda f: self._on_done(key, entry))
+            self._cache.move_to_end(key)
+            return entry
+
+    def _on_done(self, key: tuple, entry: _Entry) -> None:
+        """Keep a compiled grammar within the byte budget; forget failed and cancelled ones."""
+        future = entry.future
+        ok = not future.cancelled() and future.exception() is None
+        size = self.backend.memory_size_bytes(future.result()) if ok else 0
+        with self._lock:
+            if self._cache.get(key) is not entry:
+                return
+            if not ok:
+                del self._cache[key]
+                return
+            entry.size = size
+            self._cached_bytes += size
+            for k in [k for k, e in self._cache.items() if e.future.done()]:  # least recent first
+                if self._cached_bytes <= self.cache_bytes:
+                    break
+                self._cached_bytes -= self._cache.pop(k).size
+
+    def _release(self, key: tuple, entry: _Entry) -> None:
+        with self._lock:
+            entry.waiters -= 1
+            if entry.waiters > 0 or not entry.future.cancel():  # running or done: let it finish
+                return
+            if self._cache.get(key) is entry:
+                del self._cache[key]
+
+    def _compile(self, params: StructuredOutputsParams, parsed: object = None) -> object:
         start = time.perf_counter()
-        compiled = self.backend.compile(params)
+        compiled = self.backend.compile(params) if parsed is None else self.backend.compile(params, parsed)
         with self._lock:
             self._compile_times.append(time.perf_counter() - start)
         return compiled
@@ -92,6 +181,10 @@ class StructuredOutputManager:
         with self._lock:
             times, self._compile_times = self._compile_times, []
         return times
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
     @property
     def num_cached(self) -> int:
@@ -163,4 +256,4 @@ class StructuredOutputManager:
         return kept, GrammarBitmask(bitmask[:offset], rows, self.backend.apply_bitmask)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()

@@ -18,6 +18,7 @@ import xgrammar as xgr
 from kvscale.worker.sample.sampling_params import StructuredOutputsParams
 from kvscale.worker.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from kvscale.worker.structured_output.bitmask import apply_bitmask_cpu
+from kvscale.worker.structured_output.budget import check_constraint
 
 # Keyword -> why it is refused. `uniqueItems: false` and a one-element `allOf` are fine.
 UNSUPPORTED_KEYWORDS = {
@@ -129,7 +130,10 @@ class XgrammarBackend(StructuredOutputBackend):
             max_whitespace_cnt=None if params.disable_any_whitespace else MAX_JSON_WHITESPACE,
         )
         if kind == "json":
-            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            try:
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            except (TypeError, RecursionError) as e:  # the offline API takes any dict
+                raise ValueError(f"the JSON schema cannot be serialized: {e}") from None
             return xgr.Grammar.from_json_schema(schema, **whitespace)
         if kind == "json_object":
             # Any object: additional properties allowed, unlike the strict default for schemas.
@@ -142,23 +146,31 @@ class XgrammarBackend(StructuredOutputBackend):
         return xgr.Grammar.from_lark(grammar) if _is_lark(grammar) else xgr.Grammar.from_ebnf(grammar)
 
     def validate(self, params: StructuredOutputsParams) -> None:
+        """The budgets, then xgrammar's blind spots: no grammar is parsed here (compile does)."""
+        spec = check_constraint(params.kind, getattr(params, params.kind))
         if params.kind == "json":
-            try:
-                schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
+            if not isinstance(spec, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
-            problems = list(unsupported_json_schema_features(schema))
+            problems = list(unsupported_json_schema_features(spec))  # depth bounded by the budget
             if problems:
                 raise ValueError("unsupported JSON schema feature(s): " + "; ".join(problems))
+
+    def parse(self, params: StructuredOutputsParams) -> xgr.Grammar:
         try:
-            self._grammar(params)
+            return self._grammar(params)
+        except RecursionError:
+            raise ValueError(f"invalid {params.kind} constraint: nested too deep") from None
+        except ValueError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError from C++ for every parse error
             raise ValueError(f"invalid {params.kind} constraint: {_clean(e)}") from None
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        return self.compiler.compile_grammar(self._grammar(params))
+    def compile(self, params: StructuredOutputsParams, parsed: object = None) -> xgr.CompiledGrammar:
+        grammar = self.parse(params) if parsed is None else parsed
+        return self.compiler.compile_grammar(grammar)
+
+    def memory_size_bytes(self, compiled: object) -> int:
+        return int(getattr(compiled, "memory_size_bytes", 0))
 
     def new_matcher(self, compiled: object) -> XgrammarMatcher:
         assert isinstance(compiled, xgr.CompiledGrammar)
