@@ -171,8 +171,19 @@ class OpenAIServing:
         if name is not None and name not in (self.config.served_model_name, self.config.model_path):
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def check_capacity(self, num_sequences: int) -> None:
-        if self.llm.num_waiting + num_sequences > self.config.max_queued_requests:
+    def check_capacity(self, num_sequences: int, n: int) -> None:
+        """429 while the queue is too full for the request's sequences (prompts x n), a 400 when it
+        has more than the queue ever holds: it could not be admitted even on an idle server, and a
+        429 would have clients retry it forever. (More sequences than --max-num-seqs is no such
+        case: they are admitted one by one as others finish.)"""
+        cap = self.config.max_queued_requests
+        if num_sequences > cap:
+            raise _bad_request(
+                f"this request has {num_sequences} sequences (prompts x n), more than this server "
+                f"queues at once ({cap}, --max-queued-requests); lower n or send fewer prompts per request",
+                param="n" if n > 1 else "prompt",
+            )
+        if self.llm.num_waiting + num_sequences > cap:
             self.llm.metrics.rejected.inc(reason="queue_full")
             raise APIError(
                 429,
@@ -331,7 +342,7 @@ class OpenAIServing:
             for p in prompts
         ]
         await self.check_structured_outputs(params[0], body.structured_outputs_param)
-        self.check_capacity(len(prompts) * body.n)
+        self.check_capacity(len(prompts) * body.n, body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         loop = asyncio.get_running_loop()
@@ -417,7 +428,7 @@ class OpenAIServing:
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
         await self.check_structured_outputs(params, body.structured_outputs_param)
-        self.check_capacity(body.n)
+        self.check_capacity(body.n, body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
 
