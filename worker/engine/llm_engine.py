@@ -80,12 +80,6 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def needs_sync_steps(request: Request) -> bool:
-    """The request's next step cannot be prepared before its last token reaches the host: its
-    grammar's mask, or its penalties' token counts, depend on that token."""
-    return request.structured_output is not None or request.sampling_params.has_penalties
-
-
 def _finished_stats(request: Request) -> FinishedRequestStats:
     end = request.finished_time or time.monotonic()
     return FinishedRequestStats(
@@ -336,11 +330,9 @@ class LLMEngine:
         tokens reach the host, which then processes them (stop checks, detokenizing, outputs) while
         the device runs the next forward: each call returns the outputs of the step launched by the
         call before. A request that stops on a token costs one wasted token of a step already
-        launched. Steps that need every token on the host first (grammars, penalties) drain the
-        step in flight and run synchronously."""
-        async_scheduled = self._can_schedule_async()
-        if self._in_flight is not None and not async_scheduled:
-            return self._take_in_flight()
+        launched. Per row: a request with a grammar sits out a step while its token is pending
+        (its next mask needs it on the host); penalties count a pending token on the device."""
+        async_scheduled = self._async_scheduling
         scheduled = self.scheduler.schedule(async_scheduled)
         self._fail_grammar_failures()
         if scheduled.is_empty():
@@ -373,12 +365,6 @@ class LLMEngine:
             return []
         self.num_async_steps += 1
         return self._finish_step(*previous)
-
-    def _can_schedule_async(self) -> bool:
-        """Async scheduling is on and no request needs its last token on the host to be scheduled."""
-        return self._async_scheduling and not any(
-            needs_sync_steps(r) for r in self.scheduler.requests.values()
-        )
 
     def _take_in_flight(self) -> list[RequestOutput]:
         assert self._in_flight is not None
@@ -512,9 +498,13 @@ class LLMEngine:
         """The step's bitmask rows for the constrained requests that sample one token (speculating
         ones got theirs in _constrain_proposals)."""
         start = time.perf_counter()
+        # From the step's own start positions: under async scheduling the requests' counters are
+        # already advanced past it (and a grammar row is never scheduled with a token pending).
         samples = [
-            r.num_computed_tokens + n == r.num_tokens
-            for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
+            c + n == r.num_tokens + r.num_pending_tokens
+            for r, n, c in zip(
+                scheduled.requests, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens, strict=True
+            )
         ]
         bitmask = self._structured_output.grammar_bitmask(scheduled.requests, samples)
         if bitmask is not None:

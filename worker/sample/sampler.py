@@ -26,6 +26,11 @@ from kvscale.worker.core.request import Request, TokenLogprobs
 _NEG_INF = float("-inf")
 
 
+# Rows of a batch (indices into its requests) whose last output token is pending (sampled by the
+# step in flight, async scheduling), and those tokens: a device tensor, aligned with the rows.
+PendingTokens = tuple[list[int], torch.Tensor]
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32; 0.0 marks a greedy row
@@ -57,6 +62,7 @@ class SamplingMetadata:
         device: torch.device,
         extra_output_token_ids: list[list[int]] | None = None,
         penalty_state: PenaltyState | None = None,
+        pending_tokens: PendingTokens | None = None,
     ) -> SamplingMetadata:
         """One row per entry of `requests` (a request may fill several rows: speculative verification
         scores each proposed position, and `extra_output_token_ids` then gives each row the
@@ -64,7 +70,8 @@ class SamplingMetadata:
 
         With a `penalty_state` (the engine's), output token counts come from its device tensors,
         updated with the new tokens only; without one they are counted from the requests' lists
-        (tests, one-off use)."""
+        (tests, one-off use). `pending_tokens` (async scheduling): the rows whose last output token
+        is still on the device only, and those tokens; the penalty state counts them there."""
         extra = extra_output_token_ids
         temperature: list[float] = []
         top_k: list[int] = []
@@ -112,7 +119,7 @@ class SamplingMetadata:
         prompt_mask = counts = None
         if not no_penalties:
             if penalty_state is not None:
-                counts, prompt_mask = penalty_state.gather(requests, repetition_t is not None)
+                counts, prompt_mask = penalty_state.gather(requests, repetition_t is not None, pending_tokens)
             else:
                 counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)
                 if repetition_t is not None:
@@ -203,8 +210,14 @@ class PenaltyState:
     def num_tracked(self) -> int:
         return len(self._tracked)
 
-    def gather(self, requests: list[Request], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, V] output counts (and prompt masks) of the batch's rows; a request may fill several."""
+    def gather(
+        self, requests: list[Request], with_prompt: bool, pending: PendingTokens | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, V] output counts (and prompt masks) of the batch's rows; a request may fill several.
+
+        A pending token (async scheduling) is counted from the device, where the step in flight
+        sampled it, and counts as counted: when it reaches the host there is nothing left to add.
+        So a penalised row needs no round trip through the host and takes async steps too."""
         self._release_finished()
         rows: list[int] = []
         new_rows: list[int] = []
@@ -217,7 +230,7 @@ class PenaltyState:
             tracked = self._tracked.get(id(req))
             if tracked is None:
                 tracked = self._tracked[id(req)] = _Tracked(req, self._take_row(), 0, False)
-            elif req.num_output_tokens < tracked.num_counted:
+            elif req.num_output_tokens + req.num_pending_tokens < tracked.num_counted:
                 self.counts[tracked.row].zero_()
                 tracked.num_counted = 0
             if tracked.num_counted < req.num_output_tokens:
@@ -234,9 +247,29 @@ class PenaltyState:
             at = torch.tensor([new_rows, new_tokens], dtype=torch.int64, device=self.device)
             ones = torch.ones(len(new_tokens), dtype=torch.float32, device=self.device)
             self.counts.index_put_((at[0], at[1]), ones, accumulate=True)
+        if pending is not None:
+            self._count_pending(requests, rows, pending)
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         counts = self.counts.index_select(0, index)
         return counts, self.prompt_mask.index_select(0, index) if with_prompt else None
+
+    def _count_pending(self, requests: list[Request], rows: list[int], pending: PendingTokens) -> None:
+        at_rows: list[int] = []
+        taken: list[int] = []
+        for j, k in enumerate(pending[0]):
+            if rows[k] == 0:  # no penalties
+                continue
+            tracked = self._tracked[id(requests[k])]
+            if tracked.num_counted == requests[k].num_output_tokens + requests[k].num_pending_tokens:
+                continue  # counted already (a row met again before its token reached the host)
+            at_rows.append(tracked.row)
+            taken.append(j)
+            tracked.num_counted += 1
+        if at_rows:
+            tokens = pending[1][torch.tensor(taken, dtype=torch.int64, device=self.device)]
+            index = (torch.tensor(at_rows, dtype=torch.int64, device=self.device), tokens.to(torch.int64))
+            ones = torch.ones(len(at_rows), dtype=torch.float32, device=self.device)
+            self.counts.index_put_(index, ones, accumulate=True)
 
     def _take_row(self) -> int:
         if not self._free_rows:
