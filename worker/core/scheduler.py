@@ -149,9 +149,9 @@ class Scheduler:
             if self._pending_is_last(request):  # nothing left to compute: it finishes on that token
                 i += 1
                 continue
-            if request.num_pending_tokens and request.structured_output is not None:
-                # Its grammar's next mask needs the pending token on the host: it sits this step
-                # out (the others still run ahead) and runs in the next, once the token is known.
+            if request.num_pending_tokens and request.needs_host_tokens:
+                # Its next mask (a grammar's, bad words') needs the pending token on the host: it
+                # sits this step out (the others still run ahead) and runs in the next one.
                 i += 1
                 continue
             num_left = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens

@@ -80,6 +80,20 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's reading of `bad_words`: each word as written (leading spaces dropped) and after a
+    space, the second only where the space gives a different first token and as many tokens (the
+    word in the middle of a text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
 def _finished_stats(request: Request) -> FinishedRequestStats:
     end = request.finished_time or time.monotonic()
     return FinishedRequestStats(
@@ -243,6 +257,11 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if params.structured_outputs is not None:
             self.check_structured_outputs(params)
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -254,6 +273,7 @@ class LLMEngine:
                 max_tokens=max(1, max_tokens),
                 arrival_time=arrival,
                 prompt=text,
+                bad_words_token_ids=bad_words,
             )
             if params.seed is not None:
                 # Its own seed per sequence; the sampler derives each position's noise from it.

@@ -1,10 +1,9 @@
 """Turn one step's logits (one row per request) into next tokens, vectorised over the batch.
 
 Order of operations, per row: raw logprobs (of the unprocessed logits) -> grammar mask (structured
-outputs) -> min_tokens mask -> penalties -> greedy argmax, or temperature -> top-k/top-p -> min-p ->
-sample. Sampling uses the exponential race
-(argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own
-noise.
+outputs) -> allowed_token_ids -> min_tokens and bad_words masks -> penalties -> greedy argmax, or
+temperature -> top-k/top-p -> min-p -> sample. Sampling uses the exponential race (argmax of
+probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own noise.
 
 Seeded requests: the noise that picks the token at output position t is a pure function of
 (seed, t) (`noise_seed`), drawn from a generator seeded for that row alone. Nothing else (the other
@@ -49,10 +48,14 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None
     # [B, V] float32: how often each token occurs in the row's output; None without penalties.
     output_token_counts: torch.Tensor | None
-    min_tokens: dict[int, set[int]]  # row -> token ids forbidden until the row reaches min_tokens
+    # row -> token ids forbidden at this position: the stop ids until the row reaches min_tokens,
+    # and the tokens that would complete one of its bad words
+    min_tokens: dict[int, set[int]]
     max_num_logprobs: int | None  # largest `logprobs` any row asked for; None: nobody wants logprobs
     # Per row `logprobs` (None: that row did not ask). None here: every row reports max_num_logprobs.
     num_logprobs: list[int | None] | None = field(default=None)
+    # row -> the only token ids it may sample (allowed_token_ids); rows absent: any
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_requests(
@@ -83,6 +86,7 @@ class SamplingMetadata:
         noise_seeds: dict[int, int] = {}
         min_tokens: dict[int, set[int]] = {}
         num_logprobs: list[int | None] = []
+        allowed: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
             params = req.sampling_params
             greedy = params.is_greedy
@@ -105,6 +109,14 @@ class SamplingMetadata:
                 banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
                 if banned:
                     min_tokens[i] = banned
+            if req.bad_words_token_ids:
+                # A multi-token bad word's rows are never sampled with a token pending (scheduler).
+                past = req.output_token_ids + extra[i] if extra is not None else req.output_token_ids
+                completing = bad_word_completions(req.bad_words_token_ids, past)
+                if completing:
+                    min_tokens[i] = min_tokens.get(i, set()) | completing
+            if params.allowed_token_ids is not None:
+                allowed[i] = params.allowed_token_ids
             num_logprobs.append(params.logprobs)
 
         def as_tensor(values: list[float], off: float) -> torch.Tensor | None:
@@ -149,7 +161,21 @@ class SamplingMetadata:
             min_tokens=min_tokens,
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=num_logprobs,
+            allowed_token_ids=allowed,
         )
+
+
+def bad_word_completions(bad_words: list[list[int]], past: list[int]) -> set[int]:
+    """The tokens that would complete a bad word after `past` (the output so far): a word's last
+    token wherever the output ends with the rest of it (vLLM's rule; output tokens only)."""
+    banned: set[int] = set()
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(past):
+            continue
+        if prefix == 0 or past[-prefix:] == word[:-1]:
+            banned.add(word[-1])
+    return banned
 
 
 def plain_greedy(request: Request) -> bool:
@@ -161,6 +187,8 @@ def plain_greedy(request: Request) -> bool:
         params.is_greedy
         and params.logprobs is None
         and not params.has_penalties
+        and params.allowed_token_ids is None
+        and not request.bad_words_token_ids
         and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens
     )
 
@@ -290,6 +318,19 @@ class PenaltyState:
             self._free_rows.append(row)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """Forbid (-inf) every token a row with allowed_token_ids does not list."""
+    if not allowed:
+        return logits
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    rows = torch.tensor(list(allowed), device=logits.device)
+    banned[rows] = True
+    at_rows = [row for row, ids in allowed.items() for _ in ids]
+    at_cols = [t for ids in allowed.values() for t in ids]
+    banned[torch.tensor(at_rows, device=logits.device), torch.tensor(at_cols, device=logits.device)] = False
+    return logits.masked_fill(banned, _NEG_INF)
+
+
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:
     """Forbid (-inf) the stop/eos ids of rows that have not yet produced their min_tokens."""
     if not min_tokens:
@@ -405,6 +446,7 @@ def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> Tar
     """Logits (float32) -> the distribution each row samples from. Out-of-place: the caller's logits
     are never modified. Greedy rows also get a (temperature 1) row in `probs` when the batch is mixed;
     it is never used."""
+    logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
     logits = apply_min_tokens(logits, metadata.min_tokens)
     if not metadata.no_penalties:
         assert metadata.output_token_counts is not None

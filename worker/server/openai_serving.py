@@ -220,9 +220,13 @@ class OpenAIServing:
 
     def make_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
-            return build()
+            params = build()
         except ValueError as e:
             raise _bad_request(str(e)) from None
+        vocab = self.llm.engine.vocab_size
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise _bad_request(f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
+        return params
 
     async def check_structured_outputs(self, params: SamplingParams, param: str | None) -> None:
         """A 400 naming `param` for a constraint the engine cannot enforce (an unsupported JSON
