@@ -87,13 +87,102 @@ def test_chunked_prefill_and_preemption_are_unchanged(target_model):
     assert overlapped.engine.kv_cache_manager.usage() == 0.0
 
 
-def test_penalties_drain_the_step_in_flight_and_run_synchronously(engines):
-    # A penalised request needs every token on the host to count it: while it runs, steps are
-    # synchronous; the others' outputs stay the same.
+def test_penalties_count_the_pending_token_on_the_device(engines):
+    # A penalised request's pending token is counted where it was sampled: same tokens as the
+    # synchronous engine, the penalised one's included.
     params = [SamplingParams(temperature=0.0, max_tokens=16) for _ in PROMPTS]
     params[2] = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5)
     want, got = generate_both(engines, PROMPTS, params)
     assert got == want
+
+
+# -- per row: a penalty or a grammar does not turn async scheduling off for the others ---------
+
+BATCH = dict(num_kv_blocks=320, max_num_seqs=64, max_num_batched_tokens=1024)
+BATCH_PROMPTS = [f"{PROMPTS[i % len(PROMPTS)]} # {i}\n" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def batch_engines(target_model):
+    return LLM(target_model, **BATCH), LLM(target_model, async_scheduling=True, **BATCH)
+
+
+def count_launches(monkeypatch, llm) -> list[int]:
+    runner, launch, launches = llm.engine.runner, llm.engine.runner.launch, [0]
+
+    def counted(out):
+        launches[0] += 1
+        return launch(out)
+
+    monkeypatch.setattr(runner, "launch", counted)
+    return launches
+
+
+def generate_counted(batch_engines, monkeypatch, prompts, params) -> tuple[list, list, int, int]:
+    """(sync outputs, async outputs, the async engine's launches, its steps launched ahead)."""
+    sync, overlapped = batch_engines
+    launches = count_launches(monkeypatch, overlapped)
+    before = overlapped.engine.num_async_steps
+    want, got = summary(sync.generate(prompts, params)), summary(overlapped.generate(prompts, params))
+    return want, got, launches[0], overlapped.engine.num_async_steps - before
+
+
+def test_one_penalty_row_in_a_batch_of_64_leaves_every_step_async(batch_engines, monkeypatch):
+    """Issue 26: one request with penalties used to make every step synchronous while it ran. Its
+    pending token is counted on the device now: every launch but the first has one in flight, and
+    greedy output (the penalised row's, which the penalties do change, included) is unchanged."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12) for _ in BATCH_PROMPTS]
+    penalised = SamplingParams(
+        temperature=0.0, max_tokens=16, presence_penalty=0.01, frequency_penalty=1.0, repetition_penalty=1.3
+    )
+    params[5] = penalised
+    want, got, launches, ahead = generate_counted(batch_engines, monkeypatch, BATCH_PROMPTS, params)
+    assert got == want
+    assert ahead == launches - 1 and launches >= 16, (ahead, launches)
+    unpenalised = batch_engines[0].generate(BATCH_PROMPTS[5], SamplingParams(temperature=0.0, max_tokens=16))
+    assert unpenalised[0].outputs[0].token_ids != want[5][0][0], "the penalties must change the tokens"
+
+
+def test_one_grammar_row_sits_out_steps_alone(batch_engines, monkeypatch):
+    """A grammar's next mask needs the pending token on the host: that row runs every other step
+    while the other 63 run ahead in every one; outputs unchanged and the grammar's held to."""
+    from kvscale.worker.sample.sampling_params import StructuredOutputsParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=24) for _ in BATCH_PROMPTS]
+    grammar = StructuredOutputsParams(regex="[a-z]+( [a-z]+)*")
+    params[7] = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=grammar)
+    want, got, launches, ahead = generate_counted(batch_engines, monkeypatch, BATCH_PROMPTS, params)
+    assert got == want
+    assert ahead == launches - 1 and launches >= 24, (ahead, launches)
+    import re
+
+    assert re.fullmatch("[a-z]+( [a-z]+)*", got[7][0][1]), got[7][0][1]
+
+
+def test_a_generation_config_repetition_penalty_leaves_async_scheduling_on(
+    target_model, tmp_path, monkeypatch
+):
+    """A model whose generation_config.json sets repetition_penalty (Qwen2.5-Instruct: 1.05) gives
+    every request a penalty: every step still runs ahead, with the synchronous engine's tokens."""
+    import json
+    from pathlib import Path
+
+    for f in Path(target_model).iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "generation_config.json").unlink()
+    config = {
+        **json.loads((Path(target_model) / "generation_config.json").read_text()),
+        "repetition_penalty": 1.3,
+    }
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    engines = LLM(str(tmp_path), **ENGINE), LLM(str(tmp_path), async_scheduling=True, **ENGINE)
+    assert engines[1].engine.default_sampling_params == {"repetition_penalty": 1.3}
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    want, got, launches, ahead = generate_counted(engines, monkeypatch, PROMPTS, params)
+    assert got == want
+    assert ahead == launches - 1 and launches >= 16, (ahead, launches)
+    plain = LLM(target_model, **ENGINE).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in plain] != [out[0][0] for out in want], "the default must apply"
 
 
 def test_an_abort_with_a_step_in_flight_frees_every_block(engines):

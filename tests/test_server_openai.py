@@ -580,6 +580,34 @@ def test_full_queue_is_429_with_retry_after(queued_server):
     assert client.completions.create(model="queued", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "extra", "param", "fits"),
+    [
+        ("completions", {"n": 3}, "n", {"n": 2}),
+        ("completions", {"prompt": [PROMPT, PROMPT], "n": 2}, "n", {"prompt": [PROMPT], "n": 2}),
+        ("completions", {"prompt": [PROMPT, PROMPT, PROMPT]}, "prompt", {"prompt": [PROMPT, PROMPT]}),
+        ("chat", {"n": 3}, "n", {"n": 2}),
+    ],
+)
+def test_more_sequences_than_the_queue_holds_is_400_not_429(queued_server, endpoint, extra, param, fits):
+    """The queue holds 2 sequences: 3 could never be admitted, even on this idle server, and a 429
+    (with Retry-After) would be retried forever. 2 fit, so they are served."""
+    client = openai.OpenAI(base_url=queued_server.base_url + "/v1", api_key="x", max_retries=0)
+    if endpoint == "completions":
+        body = {"model": "queued", "prompt": PROMPT, "max_tokens": 2, **extra}
+        call = client.completions.create
+    else:
+        body = {"model": "queued", "messages": MESSAGES, "max_tokens": 2, **extra}
+        call = client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as exc:
+        call(**body)
+    error = error_of(exc, 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert "Retry-After" not in exc.value.response.headers
+    assert "--max-queued-requests" in error["message"]
+    assert len(call(**{**body, **fits}).choices) == 2
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_larger_than_kv_pool_is_400(queued_server, stream):
     """The pool holds 1024 tokens: start-up lowered max_model_len (2048) to that."""

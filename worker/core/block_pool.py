@@ -141,6 +141,19 @@ class BlockPool:
         self._index[block_hash] = block
         return True
 
+    def uncache_blocks(self, entries: Sequence[tuple[KVCacheBlock, BlockHash]]) -> None:
+        """Take blocks out of the prefix-cache index whose KV was never written (their step failed):
+        a later request must not hit them. An entry whose block has since left the index, or been
+        indexed again for other content, is skipped. Held blocks go to the plain free list when
+        freed; an evictable one goes there now."""
+        for block, block_hash in entries:
+            if block.block_hash != block_hash:
+                continue
+            self._uncache(block)
+            if block.ref_cnt == 0:
+                del self._evictable[block.block_id]
+                self._free.append(block)
+
     def reset_prefix_cache(self) -> None:
         """Forget every indexed block that no request holds (e.g. after a weight reload)."""
         while self._evictable:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvscale.worker.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens, root_hash
+from kvscale.worker.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, root_hash
 from kvscale.worker.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# (request id, block, the hash it was indexed under)
+NewlyCached = tuple[str, KVCacheBlock, BlockHash]
 
 
 @dataclass
@@ -30,6 +34,9 @@ class KVCacheManager:
         # How many leading blocks of each request are already in the prefix-cache index.
         self.num_hashed_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Blocks indexed since the last take_newly_cached(): those the step being scheduled will
+        # write, to take back out of the index if that step fails (uncache).
+        self._newly_cached: list[NewlyCached] = []
 
     @property
     def num_blocks(self) -> int:
@@ -118,8 +125,18 @@ class KVCacheManager:
         self._update_block_hashes(request)
         blocks, hashes = self.req_to_blocks[rid], request.block_hashes
         for i in range(start, end):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if self.block_pool.cache_block(blocks[i], hashes[i]):
+                self._newly_cached.append((rid, blocks[i], hashes[i]))
         self.num_hashed_blocks[rid] = end
+
+    def take_newly_cached(self) -> list[NewlyCached]:
+        """The blocks indexed since the last call (the scheduler hands them to its step)."""
+        taken, self._newly_cached = self._newly_cached, []
+        return taken
+
+    def uncache(self, entries: list[NewlyCached]) -> None:
+        """Take blocks whose KV a failed step should have written out of the prefix index."""
+        self.block_pool.uncache_blocks([(block, block_hash) for _, block, block_hash in entries])
 
     def free_excess_blocks(self, request: Request) -> None:
         """Return blocks beyond what the request's tokens need: slots reserved for proposed tokens

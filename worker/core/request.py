@@ -81,6 +81,8 @@ class Request:
     seed: int | None = None
     # Constrained decoding: the grammar and this sequence's matcher; None: unconstrained.
     structured_output: StructuredOutputRequest | None = None
+    # SamplingParams.bad_words as token id sequences (LLMEngine.make_request fills it).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
     # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.
@@ -104,6 +106,12 @@ class Request:
     def cache_salt(self) -> str | None:
         """Seeds the request's block-hash chain: only requests with the same salt share KV blocks."""
         return self.sampling_params.cache_salt
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step's mask depends on its last token, on the host: a grammar's, or a bad
+        word of several tokens (async scheduling holds it back while that token is pending)."""
+        return self.structured_output is not None or any(len(w) > 1 for w in self.bad_words_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvscale.worker.core.kv_cache_manager import KVCacheManager
+from kvscale.worker.core.kv_cache_manager import KVCacheManager, NewlyCached
 from kvscale.worker.core.request import Request, RequestStatus, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ class SchedulerOutput:
     # Async scheduling: scheduled before the previous step's tokens were known. Its requests'
     # num_computed_tokens already count this step, and a token still pending is fed from the device.
     async_scheduled: bool = False
+    # Blocks indexed for the prefix cache when this step was scheduled (its forward writes their
+    # KV): should the step fail, the engine takes them back out of the index (KVCacheManager.uncache).
+    new_cached_blocks: list[NewlyCached] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -146,6 +149,11 @@ class Scheduler:
             if self._pending_is_last(request):  # nothing left to compute: it finishes on that token
                 i += 1
                 continue
+            if request.num_pending_tokens and request.needs_host_tokens:
+                # Its next mask (a grammar's, bad words') needs the pending token on the host: it
+                # sits this step out (the others still run ahead) and runs in the next one.
+                i += 1
+                continue
             num_left = request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
             num_new = min(num_left, budget)
             while not self.kv.allocate_slots(request, num_new):
@@ -194,6 +202,7 @@ class Scheduler:
             self._schedule(out, request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        out.new_cached_blocks = self.kv.take_newly_cached()
         if async_scheduled:
             for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
                 request.num_computed_tokens += n

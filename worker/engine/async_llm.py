@@ -183,14 +183,17 @@ class AsyncLLM:
         """Yield deltas (what is new since the previous one) until the request finishes. Raises
         ValueError at once when the request can never run. Leaving the iteration early
         (disconnect, cancel) aborts the request. A constrained request needs `grammar`, from
-        prepare_grammar (prepared here when not given): make_request runs on the event loop, and
-        must not parse the constraint."""
+        prepare_grammar (prepared here when not given). make_request (tokenizing, bad words) runs
+        in the default executor: nothing client-shaped is parsed on the event loop."""
         if self.dead is not None:
             raise EngineDeadError("the engine loop has failed") from self.dead
         assert self.engine is not None
         if params.structured_outputs is not None and grammar is None:
             grammar = await self.prepare_grammar(params)
-        parent = self.engine.make_request(prompt, params, request_id, grammar=grammar)
+        engine = self.engine
+        parent = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: engine.make_request(prompt, params, request_id, grammar=grammar)
+        )
         stream = _Stream()
         self._streams[request_id] = stream
         self._num_submitted += len(parent.children)

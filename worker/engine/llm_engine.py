@@ -44,6 +44,22 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
+def fatal_step_failure(error: Exception, tensor_parallel: bool, consecutive_failures: int) -> str | None:
+    """Why a step that failed as a whole must end the engine, or None: fail its requests, go on.
+
+    Under tensor parallelism any failure is fatal: rank 0 failing alone (its sampler, a grammar
+    mask, the draft model) leaves the other ranks inside or before that step's collectives, so
+    every later collective would pair up out of step (a hang, or wrong output with no error); a
+    group cannot be resynchronised in place, the worker exits and its pod restarts."""
+    if isinstance(error, TensorParallelError):
+        return f"a tensor-parallel rank is gone: {error}"
+    if tensor_parallel:
+        return f"a step failed under tensor parallelism, the ranks are out of step: {error!r}"
+    if consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
+        return f"{consecutive_failures} steps failed in a row (a broken device?): {error!r}"
+    return None
+
+
 class RequestFailedError(RuntimeError):
     """A step failed for this request (the engine goes on serving the others); __cause__ says why."""
 
@@ -65,10 +81,18 @@ def eos_token_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def needs_sync_steps(request: Request) -> bool:
-    """The request's next step cannot be prepared before its last token reaches the host: its
-    grammar's mask, or its penalties' token counts, depend on that token."""
-    return request.structured_output is not None or request.sampling_params.has_penalties
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's reading of `bad_words`: each word as written (leading spaces dropped) and after a
+    space, the second only where the space gives a different first token and as many tokens (the
+    word in the middle of a text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 def _finished_stats(request: Request) -> FinishedRequestStats:
@@ -256,6 +280,11 @@ class LLMEngine:
             if not self.structured_output.is_cached(params.structured_outputs):
                 # Parsed here, so that a malformed constraint is refused now; compiled once, from this.
                 parsed = self.structured_output.backend.parse(params.structured_outputs)
+        if params.allowed_token_ids is not None:
+            bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -267,6 +296,7 @@ class LLMEngine:
                 max_tokens=max(1, max_tokens),
                 arrival_time=arrival,
                 prompt=text,
+                bad_words_token_ids=bad_words,
             )
             if params.seed is not None:
                 # Its own seed per sequence; the sampler derives each position's noise from it.
@@ -344,11 +374,9 @@ class LLMEngine:
         tokens reach the host, which then processes them (stop checks, detokenizing, outputs) while
         the device runs the next forward: each call returns the outputs of the step launched by the
         call before. A request that stops on a token costs one wasted token of a step already
-        launched. Steps that need every token on the host first (grammars, penalties) drain the
-        step in flight and run synchronously."""
-        async_scheduled = self._can_schedule_async()
-        if self._in_flight is not None and not async_scheduled:
-            return self._take_in_flight()
+        launched. Per row: a request with a grammar sits out a step while its token is pending
+        (its next mask needs it on the host); penalties count a pending token on the device."""
+        async_scheduled = self._async_scheduling
         scheduled = self.scheduler.schedule(async_scheduled)
         self._fail_grammar_failures()
         if scheduled.is_empty():
@@ -356,52 +384,82 @@ class LLMEngine:
                 return self._take_in_flight()
             self._wait_for_grammars()
             return []
+        launching = False  # rank 0's own work until the launch, which reaches the other ranks
         try:
             if self.spec_decoder is not None:
                 self.spec_decoder.propose(scheduled)
             if self._structured_output is not None:
                 self._constrain_proposals(scheduled)
                 self._fill_grammar_bitmask(scheduled)
+            # Speculation's look-ahead slots may have indexed blocks too.
+            scheduled.new_cached_blocks += self.kv_cache_manager.take_newly_cached()
+            launching = True
             launched = self.runner.launch(scheduled)
         except Exception as e:
-            self._step_failed(scheduled, e)
+            self._step_failed(scheduled, e, reached_ranks=launching)
             return self._take_in_flight() if self._in_flight is not None else []
         if not async_scheduled:
             return self._finish_step(scheduled, launched)
         for i in launched.plain:
             scheduled.requests[i].num_pending_tokens += 1
-        if self._in_flight is not None:
-            self.num_async_steps += 1
-            outputs = self._take_in_flight()
-        else:
-            outputs = []
-        self._in_flight = (scheduled, launched)
-        return outputs
-
-    def _can_schedule_async(self) -> bool:
-        """Async scheduling is on and no request needs its last token on the host to be scheduled."""
-        return self._async_scheduling and not any(
-            needs_sync_steps(r) for r in self.scheduler.requests.values()
-        )
+        # The new step is in flight before the previous one is processed: should that one fail,
+        # _step_failed sees the new step (which may have read the failed step's KV).
+        previous, self._in_flight = self._in_flight, (scheduled, launched)
+        if previous is None:
+            return []
+        self.num_async_steps += 1
+        return self._finish_step(*previous)
 
     def _take_in_flight(self) -> list[RequestOutput]:
         assert self._in_flight is not None
         (scheduled, launched), self._in_flight = self._in_flight, None
         return self._finish_step(scheduled, launched)
 
-    def _step_failed(self, scheduled: SchedulerOutput, error: Exception) -> None:
-        """Fail the step's requests (the engine goes on), or raise when the engine itself is broken."""
-        if isinstance(error, TensorParallelError):  # a rank is gone: no later step can succeed
-            from kvscale.worker.distributed.launcher import record_group_failure
-
-            record_group_failure(str(error))
-            raise error
+    def _step_failed(
+        self,
+        scheduled: SchedulerOutput,
+        error: Exception,
+        later: SchedulerOutput | None = None,
+        reached_ranks: bool = True,
+    ) -> None:
+        """Fail the step's requests (the engine goes on), or raise when the engine itself is broken.
+        Either way the blocks the step was to write leave the prefix index first: their KV was
+        never (or only partly) written, and a later request sharing the prefix would read it.
+        `later`: the step launched after this one (async scheduling), already in flight.
+        `reached_ranks`: False when it failed in rank 0's own preparation (proposals, grammar
+        masks), before the launch: the other ranks never saw the step, the group is in step."""
+        failing = self._poisoned_parents(scheduled, later)
         self._consecutive_failed_steps += 1
-        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+        tensor_parallel = isinstance(error, TensorParallelError) or (
+            self.tp_driver is not None and reached_ranks
+        )
+        reason = fatal_step_failure(error, tensor_parallel, self._consecutive_failed_steps)
+        if reason is not None:
+            logger.error("the engine cannot go on: %s", reason)
+            if tensor_parallel:  # /health answers 500 and the server exits 1 (api_server.exit_soon)
+                from kvscale.worker.distributed.launcher import record_group_failure
+
+                record_group_failure(reason)
             raise error
-        logger.error("step failed: failing the %d requests in it", len(scheduled.requests), exc_info=error)
-        for request in scheduled.requests:
-            self._fail(self._child_to_parent.get(request.request_id), error)
+        logger.error("step failed: failing the %d requests in it", len(failing), exc_info=error)
+        for parent_id in failing:
+            self._fail(parent_id, error)
+
+    def _poisoned_parents(self, failed: SchedulerOutput, later: SchedulerOutput | None) -> list[str]:
+        """Unindex the blocks the failed step indexed, and return the requests (parent ids) to fail:
+        the step's own, and those of the step launched after it (async scheduling) that hold one of
+        those blocks (a prefix hit on KV never written), whose blocks indexed by that later step are
+        unindexed too (computed on top of it)."""
+        kv = self.kv_cache_manager
+        kv.uncache(failed.new_cached_blocks)
+        parents = dict.fromkeys(self._child_to_parent.get(r.request_id) for r in failed.requests)
+        if later is not None:
+            poisoned = {id(block) for _, block, _ in failed.new_cached_blocks}
+            for request in later.requests:
+                if any(id(b) in poisoned for b in kv.req_to_blocks.get(request.request_id, ())):
+                    parents[self._child_to_parent.get(request.request_id)] = None
+            kv.uncache([e for e in later.new_cached_blocks if self._child_to_parent.get(e[0]) in parents])
+        return [p for p in parents if p is not None]
 
     def _finish_step(self, scheduled: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, update its requests and make their outputs."""
@@ -416,7 +474,7 @@ class LLMEngine:
                 scheduled, result.sampled_token_ids, logprobs=result.logprobs
             )
         except Exception as e:
-            self._step_failed(scheduled, e)
+            self._step_failed(scheduled, e, later=self._in_flight[0] if self._in_flight is not None else None)
             return []
         self._consecutive_failed_steps = 0
         touched: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
@@ -484,9 +542,13 @@ class LLMEngine:
         """The step's bitmask rows for the constrained requests that sample one token (speculating
         ones got theirs in _constrain_proposals)."""
         start = time.perf_counter()
+        # From the step's own start positions: under async scheduling the requests' counters are
+        # already advanced past it (and a grammar row is never scheduled with a token pending).
         samples = [
-            r.num_computed_tokens + n == r.num_tokens
-            for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
+            c + n == r.num_tokens + r.num_pending_tokens
+            for r, n, c in zip(
+                scheduled.requests, scheduled.num_scheduled_tokens, scheduled.num_computed_tokens, strict=True
+            )
         ]
         bitmask = self._structured_output.grammar_bitmask(scheduled.requests, samples)
         if bitmask is not None:

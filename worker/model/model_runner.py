@@ -31,7 +31,7 @@ from kvscale.worker.model.kv_cache import (
 from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
-from kvscale.worker.sample.sampler import PenaltyState, Sampler, SamplingMetadata, plain_greedy
+from kvscale.worker.sample.sampler import PenaltyState, PendingTokens, Sampler, SamplingMetadata, plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,22 @@ def resolve_max_model_len(requested: int | None, hf_config) -> int:
             f"max_model_len {requested} exceeds what the model's RoPE supports: {limit} ({reason})"
         )
     return requested
+
+
+def pending_tokens(
+    plain: list[int], fill_chunks: list[int], token_fill: TokenFill | None
+) -> PendingTokens | None:
+    """The plain rows (indices into `plain`) whose last token is pending, with those tokens (on the
+    device, from the step in flight): for the penalties' counts."""
+    if token_fill is None:
+        return None
+    where = {i: j for j, i in enumerate(fill_chunks)}
+    rows = [k for k, i in enumerate(plain) if i in where]
+    if not rows:
+        return None
+    tokens = token_fill[1]
+    picked = torch.tensor([where[plain[k]] for k in rows], dtype=torch.int64).to(tokens.device)
+    return rows, tokens[picked]
 
 
 @dataclass
@@ -303,7 +319,11 @@ class ModelRunner:
                 result = self.sampler(
                     plain_logits,
                     SamplingMetadata.from_requests(
-                        requests, self.spec.vocab_size, self.device, penalty_state=self.penalty_state
+                        requests,
+                        self.spec.vocab_size,
+                        self.device,
+                        penalty_state=self.penalty_state,
+                        pending_tokens=pending_tokens(plain, fill_chunks, token_fill),
                     ),
                     mask_logits=grammar.masker(plain) if grammar is not None else None,
                 )

@@ -1,10 +1,9 @@
 """Turn one step's logits (one row per request) into next tokens, vectorised over the batch.
 
 Order of operations, per row: raw logprobs (of the unprocessed logits) -> grammar mask (structured
-outputs) -> min_tokens mask -> penalties -> greedy argmax, or temperature -> top-k/top-p -> min-p ->
-sample. Sampling uses the exponential race
-(argmax of probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own
-noise.
+outputs) -> allowed_token_ids -> min_tokens and bad_words masks -> penalties -> greedy argmax, or
+temperature -> top-k/top-p -> min-p -> sample. Sampling uses the exponential race (argmax of
+probs / q with q ~ Exp(1)), which needs no cumulative sum and lets each row bring its own noise.
 
 Seeded requests: the noise that picks the token at output position t is a pure function of
 (seed, t) (`noise_seed`), drawn from a generator seeded for that row alone. Nothing else (the other
@@ -26,6 +25,11 @@ from kvscale.worker.core.request import Request, TokenLogprobs
 _NEG_INF = float("-inf")
 
 
+# Rows of a batch (indices into its requests) whose last output token is pending (sampled by the
+# step in flight, async scheduling), and those tokens: a device tensor, aligned with the rows.
+PendingTokens = tuple[list[int], torch.Tensor]
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor  # [B] float32; 0.0 marks a greedy row
@@ -44,10 +48,14 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None
     # [B, V] float32: how often each token occurs in the row's output; None without penalties.
     output_token_counts: torch.Tensor | None
-    min_tokens: dict[int, set[int]]  # row -> token ids forbidden until the row reaches min_tokens
+    # row -> token ids forbidden at this position: the stop ids until the row reaches min_tokens,
+    # and the tokens that would complete one of its bad words
+    min_tokens: dict[int, set[int]]
     max_num_logprobs: int | None  # largest `logprobs` any row asked for; None: nobody wants logprobs
     # Per row `logprobs` (None: that row did not ask). None here: every row reports max_num_logprobs.
     num_logprobs: list[int | None] | None = field(default=None)
+    # row -> the only token ids it may sample (allowed_token_ids); rows absent: any
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def from_requests(
@@ -57,6 +65,7 @@ class SamplingMetadata:
         device: torch.device,
         extra_output_token_ids: list[list[int]] | None = None,
         penalty_state: PenaltyState | None = None,
+        pending_tokens: PendingTokens | None = None,
     ) -> SamplingMetadata:
         """One row per entry of `requests` (a request may fill several rows: speculative verification
         scores each proposed position, and `extra_output_token_ids` then gives each row the
@@ -64,7 +73,8 @@ class SamplingMetadata:
 
         With a `penalty_state` (the engine's), output token counts come from its device tensors,
         updated with the new tokens only; without one they are counted from the requests' lists
-        (tests, one-off use)."""
+        (tests, one-off use). `pending_tokens` (async scheduling): the rows whose last output token
+        is still on the device only, and those tokens; the penalty state counts them there."""
         extra = extra_output_token_ids
         temperature: list[float] = []
         top_k: list[int] = []
@@ -76,6 +86,7 @@ class SamplingMetadata:
         noise_seeds: dict[int, int] = {}
         min_tokens: dict[int, set[int]] = {}
         num_logprobs: list[int | None] = []
+        allowed: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
             params = req.sampling_params
             greedy = params.is_greedy
@@ -98,6 +109,14 @@ class SamplingMetadata:
                 banned = {t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < vocab_size}
                 if banned:
                     min_tokens[i] = banned
+            if req.bad_words_token_ids:
+                # A multi-token bad word's rows are never sampled with a token pending (scheduler).
+                past = req.output_token_ids + extra[i] if extra is not None else req.output_token_ids
+                completing = bad_word_completions(req.bad_words_token_ids, past)
+                if completing:
+                    min_tokens[i] = min_tokens.get(i, set()) | completing
+            if params.allowed_token_ids is not None:
+                allowed[i] = params.allowed_token_ids
             num_logprobs.append(params.logprobs)
 
         def as_tensor(values: list[float], off: float) -> torch.Tensor | None:
@@ -112,7 +131,7 @@ class SamplingMetadata:
         prompt_mask = counts = None
         if not no_penalties:
             if penalty_state is not None:
-                counts, prompt_mask = penalty_state.gather(requests, repetition_t is not None)
+                counts, prompt_mask = penalty_state.gather(requests, repetition_t is not None, pending_tokens)
             else:
                 counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)
                 if repetition_t is not None:
@@ -142,7 +161,21 @@ class SamplingMetadata:
             min_tokens=min_tokens,
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=num_logprobs,
+            allowed_token_ids=allowed,
         )
+
+
+def bad_word_completions(bad_words: list[list[int]], past: list[int]) -> set[int]:
+    """The tokens that would complete a bad word after `past` (the output so far): a word's last
+    token wherever the output ends with the rest of it (vLLM's rule; output tokens only)."""
+    banned: set[int] = set()
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(past):
+            continue
+        if prefix == 0 or past[-prefix:] == word[:-1]:
+            banned.add(word[-1])
+    return banned
 
 
 def plain_greedy(request: Request) -> bool:
@@ -154,6 +187,8 @@ def plain_greedy(request: Request) -> bool:
         params.is_greedy
         and params.logprobs is None
         and not params.has_penalties
+        and params.allowed_token_ids is None
+        and not request.bad_words_token_ids
         and request.num_output_tokens + request.num_pending_tokens >= params.min_tokens
     )
 
@@ -203,8 +238,14 @@ class PenaltyState:
     def num_tracked(self) -> int:
         return len(self._tracked)
 
-    def gather(self, requests: list[Request], with_prompt: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, V] output counts (and prompt masks) of the batch's rows; a request may fill several."""
+    def gather(
+        self, requests: list[Request], with_prompt: bool, pending: PendingTokens | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, V] output counts (and prompt masks) of the batch's rows; a request may fill several.
+
+        A pending token (async scheduling) is counted from the device, where the step in flight
+        sampled it, and counts as counted: when it reaches the host there is nothing left to add.
+        So a penalised row needs no round trip through the host and takes async steps too."""
         self._release_finished()
         rows: list[int] = []
         new_rows: list[int] = []
@@ -217,7 +258,7 @@ class PenaltyState:
             tracked = self._tracked.get(id(req))
             if tracked is None:
                 tracked = self._tracked[id(req)] = _Tracked(req, self._take_row(), 0, False)
-            elif req.num_output_tokens < tracked.num_counted:
+            elif req.num_output_tokens + req.num_pending_tokens < tracked.num_counted:
                 self.counts[tracked.row].zero_()
                 tracked.num_counted = 0
             if tracked.num_counted < req.num_output_tokens:
@@ -234,9 +275,29 @@ class PenaltyState:
             at = torch.tensor([new_rows, new_tokens], dtype=torch.int64, device=self.device)
             ones = torch.ones(len(new_tokens), dtype=torch.float32, device=self.device)
             self.counts.index_put_((at[0], at[1]), ones, accumulate=True)
+        if pending is not None:
+            self._count_pending(requests, rows, pending)
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         counts = self.counts.index_select(0, index)
         return counts, self.prompt_mask.index_select(0, index) if with_prompt else None
+
+    def _count_pending(self, requests: list[Request], rows: list[int], pending: PendingTokens) -> None:
+        at_rows: list[int] = []
+        taken: list[int] = []
+        for j, k in enumerate(pending[0]):
+            if rows[k] == 0:  # no penalties
+                continue
+            tracked = self._tracked[id(requests[k])]
+            if tracked.num_counted == requests[k].num_output_tokens + requests[k].num_pending_tokens:
+                continue  # counted already (a row met again before its token reached the host)
+            at_rows.append(tracked.row)
+            taken.append(j)
+            tracked.num_counted += 1
+        if at_rows:
+            tokens = pending[1][torch.tensor(taken, dtype=torch.int64, device=self.device)]
+            index = (torch.tensor(at_rows, dtype=torch.int64, device=self.device), tokens.to(torch.int64))
+            ones = torch.ones(len(at_rows), dtype=torch.float32, device=self.device)
+            self.counts.index_put_(index, ones, accumulate=True)
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -255,6 +316,19 @@ class PenaltyState:
             self.counts[row].zero_()
             self.prompt_mask[row].zero_()
             self._free_rows.append(row)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """Forbid (-inf) every token a row with allowed_token_ids does not list."""
+    if not allowed:
+        return logits
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    rows = torch.tensor(list(allowed), device=logits.device)
+    banned[rows] = True
+    at_rows = [row for row, ids in allowed.items() for _ in ids]
+    at_cols = [t for ids in allowed.values() for t in ids]
+    banned[torch.tensor(at_rows, device=logits.device), torch.tensor(at_cols, device=logits.device)] = False
+    return logits.masked_fill(banned, _NEG_INF)
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> torch.Tensor:
@@ -372,6 +446,7 @@ def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> Tar
     """Logits (float32) -> the distribution each row samples from. Out-of-place: the caller's logits
     are never modified. Greedy rows also get a (temperature 1) row in `probs` when the batch is mixed;
     it is never used."""
+    logits = apply_allowed_token_ids(logits, metadata.allowed_token_ids)
     logits = apply_min_tokens(logits, metadata.min_tokens)
     if not metadata.no_penalties:
         assert metadata.output_token_counts is not None

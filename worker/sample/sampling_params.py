@@ -125,6 +125,12 @@ class SamplingParams:
     cache_salt: str | None = None
     # Constrained decoding (docs/server.md, Structured outputs); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: only these token ids may be sampled; None: any. (Ids past the vocabulary are refused
+    # by the engine, which knows its size.)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. Each is tokenized as written and after a space (the engine,
+    # `bad_words_token_ids`); the token that would complete one of those sequences is masked.
+    bad_words: list[str] = field(default_factory=list)
     # The GENERATION_CONFIG_FIELDS the caller left unset; None: find out from the None values.
     # dataclasses.replace carries it, and a field replaced by a non-neutral value counts as set.
     unset_fields: frozenset[str] | None = field(default=None, repr=False, compare=False)
@@ -139,6 +145,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words)
         self.validate()
 
     def validate(self) -> None:
@@ -189,6 +198,18 @@ class SamplingParams:
             (
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be token ids",
+            ),
+            (
+                self.allowed_token_ids is None
+                or (
+                    len(self.allowed_token_ids) > 0
+                    and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)
+                ),
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
+            (
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words must be strings with something besides spaces",
             ),
             (
                 self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),

@@ -184,8 +184,19 @@ class OpenAIServing:
         if name is not None and name not in (self.config.served_model_name, self.config.model_path):
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def check_capacity(self, num_sequences: int) -> None:
-        if self.llm.num_waiting + num_sequences > self.config.max_queued_requests:
+    def check_capacity(self, num_sequences: int, n: int) -> None:
+        """429 while the queue is too full for the request's sequences (prompts x n), a 400 when it
+        has more than the queue ever holds: it could not be admitted even on an idle server, and a
+        429 would have clients retry it forever. (More sequences than --max-num-seqs is no such
+        case: they are admitted one by one as others finish.)"""
+        cap = self.config.max_queued_requests
+        if num_sequences > cap:
+            raise _bad_request(
+                f"this request has {num_sequences} sequences (prompts x n), more than this server "
+                f"queues at once ({cap}, --max-queued-requests); lower n or send fewer prompts per request",
+                param="n" if n > 1 else "prompt",
+            )
+        if self.llm.num_waiting + num_sequences > cap:
             self.llm.metrics.rejected.inc(reason="queue_full")
             raise APIError(
                 429,
@@ -222,9 +233,13 @@ class OpenAIServing:
 
     def make_params(self, build: Callable[[], SamplingParams]) -> SamplingParams:
         try:
-            return build()
+            params = build()
         except ValueError as e:
             raise _bad_request(str(e)) from None
+        vocab = self.llm.engine.vocab_size
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise _bad_request(f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
+        return params
 
     async def prepare_grammar(
         self, request: web.Request, params: SamplingParams, param: str | None
@@ -362,7 +377,7 @@ class OpenAIServing:
             for p in prompts
         ]
         grammar = await self.prepare_grammar(request, params[0], body.structured_outputs_param)
-        self.check_capacity(len(prompts) * body.n)
+        self.check_capacity(len(prompts) * body.n, body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         loop = asyncio.get_running_loop()
@@ -448,7 +463,7 @@ class OpenAIServing:
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
         grammar = await self.prepare_grammar(request, params, body.structured_outputs_param)
-        self.check_capacity(body.n)
+        self.check_capacity(body.n, body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
 

@@ -37,6 +37,9 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 64  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # logprobs (completions) / top_logprobs (chat)
+MAX_ALLOWED_TOKEN_IDS = 8192  # allowed_token_ids: each step masks the rest of the vocabulary
+MAX_BAD_WORDS = 64  # bad_words: each step compares each (twice tokenized) with the output's tail
+MAX_BAD_WORD_CHARS = 64
 MAX_CHOICES = 256  # strings in one structured-outputs choice list
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
@@ -148,6 +151,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
@@ -197,6 +202,23 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _token_ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bounded_bad_words(cls, v):
+        for word in v or []:
+            if not word.strip():
+                raise ValueError("a bad word must have something besides spaces")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters")
+        return v
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v, info: ValidationInfo):
@@ -220,6 +242,8 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
