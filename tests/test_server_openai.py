@@ -589,3 +589,12 @@ def test_request_larger_than_kv_pool_is_400(queued_server, stream):
         client.completions.create(model="queued", prompt=PROMPT, max_tokens=1500, stream=stream)
     error = error_of(exc, 400)
     assert error["code"] == "context_length_exceeded" and "1024" in error["message"]
+
+
+def test_unbounded_non_streamed_answer_is_400_asking_for_a_stream(client, model):
+    # 8 prompts x n=16 x 500 tokens x (1 + 20 logprobs) = 1.3M entries, past the default 2^20
+    # (max_model_len 2048): before this change it was run and held to the end.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model, prompt=[PROMPT] * 8, n=16, logprobs=20, max_tokens=500)
+    error = error_of(exc, 400)
+    assert error["param"] == "max_tokens" and "stream: true" in error["message"]

@@ -111,13 +111,22 @@ def top_logprobs_by_text(top: list[tuple[int, float]], text: Callable[[int], str
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the tokenizer's chat template over the messages (tool calls and tool
-    answers included) and the tools (a template that does not read `tools` leaves them out)."""
+    answers included), the tools (a template that does not read `tools` leaves them out) and the
+    request's `chat_template_kwargs` as template variables (protocol.py refuses the reserved ones)."""
     try:
         encoded = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise _bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None
@@ -130,6 +139,40 @@ class ServingConfig:
     model_path: str
     max_queued_requests: int
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` calls (tool_parsers.py)
+    # A non-streamed answer's bound in token entries (unstreamed_entries); None: the default below.
+    max_unstreamed_entries: int | None = None
+
+
+def default_unstreamed_budget(max_model_len: int) -> int:
+    """A non-streamed answer's default bound in token entries: n=1 with logprobs 5 over the whole
+    context fits (6 x max_model_len), and never under 2^20 entries (~100 MB of JSON with top
+    logprobs, chat's `bytes` lists included)."""
+    return max(1 << 20, 8 * max_model_len)
+
+
+def unstreamed_entries(max_tokens: list[int], n: int, logprobs: int) -> int:
+    """What a non-streamed answer holds until its end, and serializes at once: every sequence's
+    tokens, each with its logprobs entries (prompts x n x max_tokens x (1 + logprobs))."""
+    return sum(max_tokens) * n * (1 + logprobs)
+
+
+def bound_unstreamed(
+    max_tokens: list[int], n: int, logprobs: int, given: bool, budget: int, param: str
+) -> list[int]:
+    """Each prompt's max_tokens for a non-streamed answer within `budget`: a default (not `given`)
+    max_tokens is lowered to fit, as it is to fit the context; a given one past it is a 400 that
+    asks for a stream (which holds one step's tokens at a time)."""
+    if unstreamed_entries(max_tokens, n, logprobs) <= budget:
+        return max_tokens
+    if not given:
+        per_sequence = max(1, budget // (len(max_tokens) * n * (1 + logprobs)))
+        return [min(m, per_sequence) for m in max_tokens]
+    raise _bad_request(
+        f"a non-streamed answer of prompts x n x {param} x (1 + logprobs) = {len(max_tokens)} x {n} x "
+        f"{max(max_tokens)} x {1 + logprobs} token entries is more than this server holds for one "
+        f"answer ({budget}); send stream: true, or lower {param}, n or logprobs",
+        param=param,
+    )
 
 
 def _bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -162,6 +205,13 @@ class OpenAIServing:
         if self._longest_token_bytes is None:
             self._longest_token_bytes = longest_token_bytes(self.tokenizer)
         return self.max_model_len * self._longest_token_bytes
+
+    @property
+    def unstreamed_budget(self) -> int:
+        """Token entries one non-streamed answer may hold (bound_unstreamed)."""
+        if self.config.max_unstreamed_entries is not None:
+            return self.config.max_unstreamed_entries
+        return default_unstreamed_budget(self.max_model_len)
 
     def body_limits(self, num_prompts: int) -> tuple[int, int]:
         return body_limits(num_prompts, self.max_prompt_bytes, self.max_model_len)
@@ -261,9 +311,13 @@ class OpenAIServing:
         return self.tokenizer.encode(prompt)
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -322,14 +376,13 @@ class OpenAIServing:
         body: CompletionRequest = await parse_body(request, CompletionRequest, self.body_limits(MAX_PROMPTS))
         self.check_model(body.model)
         prompts = [await self.encode(p) for p in body.prompts()]
-        params = [
-            self.make_params(
-                lambda p=p: body.sampling_params(
-                    self.resolve_max_tokens(len(p), body.max_tokens, "prompt"), body.logprobs
-                )
-            )
-            for p in prompts
-        ]
+        max_tokens = [self.resolve_max_tokens(len(p), body.max_tokens, "prompt") for p in prompts]
+        if not body.stream:
+            max_tokens = bound_unstreamed(
+                max_tokens, body.n, body.logprobs or 0, body.max_tokens is not None,
+                self.unstreamed_budget, "max_tokens",
+            )  # fmt: skip
+        params = [self.make_params(lambda m=m: body.sampling_params(m, body.logprobs)) for m in max_tokens]
         await self.check_structured_outputs(params[0], body.structured_outputs_param)
         self.check_capacity(len(prompts) * body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -412,9 +465,15 @@ class OpenAIServing:
         make_extractor = self.tool_call_extractor(body)
         # Templating (Python) and tokenizing run off the event loop.
         prompt = await asyncio.get_running_loop().run_in_executor(
-            None, self._render_chat, messages, body.add_generation_prompt, tools
+            None, self._render_chat, messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
+        if not body.stream:
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            (max_tokens,) = bound_unstreamed(
+                [max_tokens], body.n, body.num_logprobs or 0, body.requested_max_tokens is not None,
+                self.unstreamed_budget, param,
+            )  # fmt: skip
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
         await self.check_structured_outputs(params, body.structured_outputs_param)
         self.check_capacity(body.n)
@@ -459,15 +518,13 @@ class OpenAIServing:
             }
 
         streams: dict[int, ToolCallStream] = {}  # per choice, with tools
-        texts: dict[int, str] = {}
 
         def delta(i: int, c: CompletionOutput) -> dict[str, Any]:
             if make_extractor is None:
                 d, reason = ({"content": c.text} if c.text else {}), c.finish_reason
             else:
                 stream = streams.setdefault(c.index, ToolCallStream(make_extractor()))
-                text = texts[c.index] = texts.get(c.index, "") + c.text
-                content, calls = stream.update(text, final=c.finished)
+                content, calls = stream.update(c.text, final=c.finished)
                 d = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
                 reason = tool_finish_reason(c.finish_reason, stream)
             return {"index": c.index, "delta": d, "logprobs": logprobs(c), "finish_reason": reason}
@@ -493,7 +550,10 @@ class OpenAIServing:
                 f"({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice required or a named function",
                 param=body.tool_choice_param,
             )
-        return TOOL_CALL_PARSERS[parser]
+        # parallel_tool_calls: false: the first call only (vLLM's behaviour; required's grammar
+        # allows one item).
+        max_calls = 1 if body.parallel_tool_calls is False else None
+        return lambda: TOOL_CALL_PARSERS[parser](max_calls=max_calls)
 
     def chat_logprob(self, lp: TokenLogprobs, top: int) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:

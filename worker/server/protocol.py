@@ -34,6 +34,16 @@ MAX_LOGPROBS = 20  # logprobs (completions) / top_logprobs (chat)
 MAX_CHOICES = 256  # strings in one structured-outputs choice list
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
+
+# apply_chat_template's own parameters and what the server renders from the request itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 # OpenAI-defined fields that ask for something we do not do: refused unless absent, null, or the
 # value that means what we do anyway.
@@ -447,6 +457,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: variables for the chat template (Qwen3's `enable_thinking`, ...).
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
     # OpenAI's, not implemented (see _NO_OP_VALUES)
     functions: Any = None
     function_call: Any = None
@@ -465,6 +477,16 @@ class ChatCompletionRequest(_SamplingFields):
         no_ops = _NO_OP_VALUES[info.field_name]
         if v is not None and not any(v == ok and type(v) is type(ok) for ok in no_ops):
             raise ValueError("not supported")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v):
+        # The names apply_chat_template itself takes (or renders from the request) would let a
+        # client replace the messages or tools, or change what is returned: refused, not passed.
+        taken = sorted(set(v or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here (they come from the request)")
         return v
 
     @field_validator("tool_choice")
