@@ -395,17 +395,30 @@ class OpenAIServing:
             for p in prompts
         ]
 
-        def choice(i: int, c: CompletionOutput, text: str, offset: int) -> dict[str, Any]:
+        def choice(
+            i: int, c: CompletionOutput, text: str, offset: int, out: RequestOutput | None = None
+        ) -> dict[str, Any]:
             """`offset`: the text_offset of c's first token (from the start of the choice's text,
-            echoed prompt included)."""
+            echoed prompt included). `out`: the echoed prompt's logprobs go first (echo +
+            logprobs), and vLLM's `prompt_logprobs` field, when asked, is filled from it."""
             logprobs = None
             if body.logprobs is not None and c.logprobs is not None:
                 logprobs = self.completion_logprobs(c.logprobs, offset)
+            extra: dict[str, Any] = {}
+            if out is not None and out.prompt_logprobs is not None:
+                if body.echo and body.logprobs is not None:
+                    echoed = self.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs)
+                    logprobs = echoed if logprobs is None else _join_logprobs(echoed, logprobs)
+                if body.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                        out.prompt_logprobs, body.prompt_logprobs
+                    )
             return {
                 "index": i * body.n + c.index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
+                **extra,
             }
 
         base = {
@@ -417,7 +430,7 @@ class OpenAIServing:
         if not body.stream:
             finals = await self._collect(self.run(prompts, params, request_id), len(prompts))
             choices = [
-                choice(i, c, echo_text[i] + c.text, len(echo_text[i]))
+                choice(i, c, echo_text[i] + c.text, len(echo_text[i]), out)
                 for i, out in enumerate(finals)
                 for c in out.outputs
             ]
@@ -425,13 +438,14 @@ class OpenAIServing:
             self._log(request_id, "completions", finals)
             return web.json_response({**base, "choices": choices, "usage": usage(finals)})
 
-        def first_delta(i: int, c: CompletionOutput) -> dict[str, Any] | None:
-            # With echo, the prompt text goes out first, on its own.
-            return (
-                {**choice(i, c, echo_text[i], 0), "logprobs": None, "finish_reason": None}
-                if body.echo
-                else None
-            )
+        def first_delta(i: int, c: CompletionOutput, out: RequestOutput) -> dict[str, Any] | None:
+            # With echo, the prompt text goes out first, on its own (with logprobs: theirs).
+            if not body.echo:
+                return None
+            echoed = None
+            if body.logprobs is not None and out.prompt_logprobs is not None:
+                echoed = self.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs)
+            return {**choice(i, c, echo_text[i], 0), "logprobs": echoed, "finish_reason": None}
 
         offsets: dict[tuple[int, int], int] = {}  # per choice: the text_offset of its next token
 
@@ -454,6 +468,47 @@ class OpenAIServing:
             "top_logprobs": [top_logprobs_by_text(lp.top, self.token_text) for lp in lps],
             "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
         }
+
+    def echo_logprobs(
+        self, prompt_ids: list[int], lps: list[TokenLogprobs | None], top: int
+    ) -> dict[str, Any]:
+        """Completions' logprobs of an echoed prompt: its first token has none (nothing predicts
+        it), as in vLLM and OpenAI's legacy API. Offsets count special tokens as empty, as the
+        echoed text (decoded without them) does."""
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        tokens = [self.token_text(t) for t in prompt_ids]
+        widths = [0 if t in special else len(text) for t, text in zip(prompt_ids, tokens, strict=True)]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [
+                None if lp is None else top_logprobs_by_text(lp.top[:top], self.token_text) for lp in lps
+            ],
+            "text_offset": list(accumulate(widths[:-1], initial=0)),
+        }
+
+    def vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], top: int) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> its
+        logprob, rank and text, for the token itself and the `top` most likely."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {
+                str(lp.token_id): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(lp.token_id),
+                }
+            }
+            for rank, (token_id, value) in enumerate(lp.top[:top], start=1):
+                entry.setdefault(
+                    str(token_id),
+                    {"logprob": value, "rank": rank, "decoded_token": self.token_text(token_id)},
+                )
+            out.append(entry)
+        return out
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -505,11 +560,16 @@ class OpenAIServing:
                     {"index": c.index, "message": msg, "logprobs": logprobs(c), "finish_reason": reason}
                 )
             self._log(request_id, "chat", finals)
+            extra = {}
+            if body.prompt_logprobs is not None and finals[0].prompt_logprobs is not None:
+                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                    finals[0].prompt_logprobs, body.prompt_logprobs
+                )
             return web.json_response(
-                {**base, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+                {**base, "object": "chat.completion", "choices": choices, "usage": usage(finals), **extra}
             )
 
-        def first_delta(i: int, c: CompletionOutput) -> dict[str, Any]:
+        def first_delta(i: int, c: CompletionOutput, out: RequestOutput) -> dict[str, Any]:
             return {
                 "index": c.index,
                 "delta": {"role": "assistant", "content": ""},
@@ -589,7 +649,7 @@ class OpenAIServing:
         params: list[SamplingParams],
         include_usage: bool,
         base: dict[str, Any],
-        first_delta: Callable[[int, CompletionOutput], dict[str, Any] | None],
+        first_delta: Callable[[int, CompletionOutput, RequestOutput], dict[str, Any] | None],
         delta: Callable[[int, CompletionOutput], dict[str, Any]],
     ) -> web.StreamResponse:
         """SSE: one `data:` event per step with each choice's delta (new text, its logprobs), then
@@ -625,7 +685,7 @@ class OpenAIServing:
                     key = (i, c.index)
                     if key not in opened:
                         opened.add(key)
-                        first = first_delta(i, c)
+                        first = first_delta(i, c, out)
                         if first is not None:
                             firsts.append(first)
                     if key in held:
@@ -677,6 +737,11 @@ class OpenAIServing:
                 "e2e_s": max((c.metrics.e2e_latency or 0.0 for c in comps), default=None),
             },
         )
+
+
+def _join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Completions' logprobs of the echoed prompt followed by those of the completion."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def usage(finals: list[RequestOutput | None]) -> dict[str, Any]:

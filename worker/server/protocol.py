@@ -143,6 +143,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
+    # Logprobs of the prompt's tokens, with this many alternatives each (vLLM's extra).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -191,6 +193,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v, info: ValidationInfo):
+        # A stream would carry them in its first chunk; not implemented: refused, not dropped.
+        if v is not None and info.data.get("stream"):
+            raise ValueError("not supported with stream: true (completions' echo + logprobs is)")
+        return v
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v, info: ValidationInfo):
@@ -217,10 +227,16 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.wanted_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_outputs_params(),
         )
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine must compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's one constraint; APIError (400 naming the field) for two, or a malformed one."""
@@ -307,6 +323,12 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise ValueError("not supported")
         return v
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        # echo + logprobs: the echoed prompt's tokens come with their logprobs (lm-eval's scoring).
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
