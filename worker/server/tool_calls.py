@@ -57,12 +57,13 @@ class Extractor(Protocol):
 
 
 class _ValueScanner:
-    """Reads a JSON text character by character, keeping only its state (inside a string or not,
-    an escape pending, the containers open with, for objects, the key being read), and reports
-    the characters that belong to values at chosen places. O(1) per character."""
+    """Reads a JSON text character by character, keeping only its state: inside a string or not,
+    an escape pending, the open containers (an object's current key and whether a key or a value
+    comes next; an array's index). O(1) per character (a key costs its length once, when whole);
+    the extractors read the state to tell which value a character belongs to."""
 
     def __init__(self) -> None:
-        self.stack: list[list[Any]] = []  # ["{", key, reading_key, key_chars] or ["[", index]
+        self.stack: list[list[Any]] = []  # ["{", key, key_next] or ["[", index]
         self.in_string = False
         self.escape = False
         self.key_chars: list[str] | None = None  # the key string being read, quotes included
