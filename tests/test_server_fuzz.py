@@ -232,7 +232,7 @@ FIELDS = [
     "suffix", "response_format", "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt",
     "role", "content", "type", "text", "include_usage", "name", "structured_outputs", "json_schema",
     "schema", "regex", "choice", "grammar", "json", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar",
+    "guided_grammar", "prompt_logprobs", "chat_template_kwargs",
 ]  # fmt: skip
 
 texts = st.text() | st.sampled_from(["", "\ud800", "\udfff", "\x00", "def f(x):", "é" * 50, "\U0001f600"])
@@ -344,6 +344,9 @@ BAD_VALUES: dict[str, list[Any]] = {
     "tool_choice": ["auto", {"x": 1}, 5, "required", "none", {"type": "function", "function": {"name": "f"}}],
     "parallel_tool_calls": [1, "x", False, None],
     "add_generation_prompt": ["x", 2, None, False],
+    "prompt_logprobs": [-1, 21, "x", 1.5, True, 2**70, 0, 3],
+    "chat_template_kwargs": [{"tools": 1}, {"messages": []}, "x", [], {"enable_thinking": False},
+                             {str(i): i for i in range(40)}],
 }  # fmt: skip
 COMMON = [f for f in BAD_VALUES if f not in ("prompt", "messages", "echo", "best_of", "suffix")]
 ENDPOINT_FIELDS = {

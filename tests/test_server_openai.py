@@ -257,9 +257,17 @@ def test_completion_stream_text_and_logprobs_equal_non_streamed(client, model, e
         got = [p.logprobs for p in parts if p.logprobs is not None]
         lp = want.logprobs
         assert [t for g in got for t in g.tokens] == lp.tokens
-        assert [t for g in got for t in g.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+        # With echo, the prompt's tokens come first, the first of them without a logprob.
+        assert (lp.token_logprobs[0] is None) == echo
+        got_lps = [t for g in got for t in g.token_logprobs]
+        assert [t is None for t in got_lps] == [t is None for t in lp.token_logprobs]
+        assert [t for t in got_lps if t is not None] == pytest.approx(
+            [t for t in lp.token_logprobs if t is not None], abs=1e-4
+        )
         assert [t for g in got for t in g.text_offset] == lp.text_offset
-        assert [sorted(t) for g in got for t in g.top_logprobs] == [sorted(t) for t in lp.top_logprobs]
+        assert [sorted(t or {}) for g in got for t in g.top_logprobs] == [
+            sorted(t or {}) for t in lp.top_logprobs
+        ]
 
 
 def test_chat_stream_text_and_logprobs_equal_non_streamed(client, model):
@@ -617,3 +625,54 @@ def test_request_larger_than_kv_pool_is_400(queued_server, stream):
         client.completions.create(model="queued", prompt=PROMPT, max_tokens=1500, stream=stream)
     error = error_of(exc, 400)
     assert error["code"] == "context_length_exceeded" and "1024" in error["message"]
+
+
+def test_unbounded_non_streamed_answer_is_400_asking_for_a_stream(client, model):
+    # 8 prompts x n=16 x 500 tokens x (1 + 20 logprobs) = 1.3M entries, past the default 2^20
+    # (max_model_len 2048): before this change it was run and held to the end.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model, prompt=[PROMPT] * 8, n=16, logprobs=20, max_tokens=500)
+    error = error_of(exc, 400)
+    assert error["param"] == "max_tokens" and "stream: true" in error["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, model):
+    # lm-eval's loglikelihood: echo the context + continuation with max_tokens 1 and read the
+    # continuation's token logprobs. They must equal the logprobs of the same tokens generated.
+    # Before this change echo + logprobs returned the generated token's logprobs only.
+    gen = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    scored = client.completions.create(
+        model=model, prompt=PROMPT + gen.choices[0].text, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    lp = scored.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    n_prompt = scored.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 1 and all(v <= 0 for v in lp.token_logprobs[1:])
+    # The continuation's tokens sit after the context's (this text tokenizes the same way).
+    context = gen.usage.prompt_tokens
+    cont = lp.token_logprobs[context : context + 5]
+    assert lp.tokens[context : context + 5] == gen.choices[0].logprobs.tokens
+    assert cont == pytest.approx(gen.choices[0].logprobs.token_logprobs, abs=2e-3)
+
+
+def test_prompt_logprobs_field_is_served(client, model):
+    r = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == r.usage.prompt_tokens and plp[0] is None
+    for entry in plp[1:]:
+        assert 1 <= len(entry) <= 3 and all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None and all(len(e) == 1 for e in plp[1:])
+
+
+def test_prompt_logprobs_with_stream_is_400(client, model):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert error_of(exc, 400)["param"] == "prompt_logprobs"

@@ -192,6 +192,38 @@ def test_tools_and_history_reach_a_template_that_reads_them(target_model, tmp_pa
     assert prompt.endswith("<|assistant|>\n")
 
 
+THINKING_TEMPLATE = """{% for message in messages %}<|{{ message.role }}|>
+{{ message.content }}
+{% endfor %}<|assistant|>
+{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"""
+
+
+def test_chat_template_kwargs_reach_the_template(target_model, tmp_path) -> None:
+    # Qwen3's switch: before this change the field was dropped and thinking stayed on.
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{target_model}/{name}", folder / name)
+    (folder / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    messages = [m.template_message() for m in body.messages]
+    off = tokenizer.decode(render_chat(tokenizer, messages, True, None, body.chat_template_kwargs))
+    on = tokenizer.decode(render_chat(tokenizer, messages, True, None, None))
+    assert off.endswith("<think></think>") and not on.endswith("</think>")
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "tokenize", "chat_template", "return_dict"])
+def test_chat_template_kwargs_cannot_replace_what_the_request_renders(client, model, key) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=1, extra_body={"chat_template_kwargs": {key: 1}}
+        )
+    assert error_of(exc)["param"] == "chat_template_kwargs"
+
+
 def error_of(exc: pytest.ExceptionInfo) -> dict:
     assert exc.value.status_code == 400
     body = exc.value.response.json()
@@ -301,3 +333,17 @@ def test_auto_without_a_call_is_plain_content(hermes_client, model) -> None:
     choice = r.choices[0]
     assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
     assert choice.message.content  # the model's own text, unchanged
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_only(hermes_client, model) -> None:
+    # The model writes two calls; before this change both came back under auto.
+    common = dict(
+        model=model, messages=MESSAGES, tools=TOOLS, max_tokens=256, temperature=0.0,
+        parallel_tool_calls=False, extra_body={"structured_outputs": {"regex": HERMES_REGEX}},
+    )  # fmt: skip
+    r = hermes_client.chat.completions.create(**common)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    assert r.choices[0].finish_reason == "tool_calls"
+    with hermes_client.chat.completions.stream(**common) as stream:
+        final = stream.get_final_completion()
+    assert [c.function.name for c in final.choices[0].message.tool_calls] == ["get_weather"]

@@ -124,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("KVSCALE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
+        max_unstreamed_entries=args.max_unstreamed_entries,
         drain_timeout=args.drain_timeout,
         engine_iteration_timeout=args.engine_iteration_timeout,
     )
@@ -176,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_CALL_PARSERS),
         default=None,
         help='reads tool calls out of the output for tool_choice "auto" (default: none, auto is a 400)',
+    )
+    srv.add_argument(
+        "--max-unstreamed-entries",
+        type=int,
+        default=None,
+        help="a non-streamed answer's bound: prompts x n x max_tokens x (1 + logprobs) (default: "
+        "8 x max_model_len, at least 2^20); past it a 400 asks for stream: true",
     )
     srv.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may run after SIGTERM"

@@ -62,7 +62,8 @@ class KVCacheManager:
         At least one token is always left to compute: the forward pass must produce the logits
         of the last token.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: nothing cached is skipped.
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -77,6 +77,10 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until then
     logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: entry k for prompt token k (None for the first, which nothing
+    # predicts), filled as the prompt's chunks are computed; None: not asked (or not this child's
+    # to compute: the first of n computes them for all).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The sequence's sampling seed (SamplingParams.seed, + i for the i-th of n); None: unseeded.
     seed: int | None = None
     # Constrained decoding: the grammar and this sequence's matcher; None: unconstrained.
@@ -101,6 +105,8 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def cache_salt(self) -> str | None:

@@ -298,6 +298,8 @@ class LLMEngine:
                 prompt=text,
                 bad_words_token_ids=bad_words,
             )
+            if i > 0:
+                child.prompt_logprobs = None  # the first sequence computes them for all
             if params.seed is not None:
                 # Its own seed per sequence; the sampler derives each position's noise from it.
                 child.seed = params.seed + i
@@ -465,6 +467,11 @@ class LLMEngine:
         """Wait for a launched step's tokens, update its requests and make their outputs."""
         try:
             result = launched.get()
+            for i, entries in result.prompt_logprobs.items():
+                filled = scheduled.requests[i].prompt_logprobs
+                if filled is not None:
+                    for position, lp in entries:
+                        filled[position] = lp
             masks = [m for m in (scheduled.grammar_bitmask, scheduled.verify_bitmask) if m is not None]
             if masks:
                 self._stats.grammar_mask_times.append(sum(m.seconds for m in masks))
@@ -656,4 +663,5 @@ class LLMEngine:
             outputs=sorted(deltas, key=lambda c: c.index),
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            prompt_logprobs=first.prompt_logprobs,
         )

@@ -73,6 +73,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first child)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first; complete in
+    # every output (the prompt is computed before the first token); None when not asked.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def completion_delta(index: int, request: Request, text: str, start: int) -> CompletionOutput:

@@ -31,7 +31,14 @@ from kvscale.worker.model.kv_cache import (
 from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
-from kvscale.worker.sample.sampler import PenaltyState, PendingTokens, Sampler, SamplingMetadata, plain_greedy
+from kvscale.worker.sample.sampler import (
+    PenaltyState,
+    PendingTokens,
+    Sampler,
+    SamplingMetadata,
+    plain_greedy,
+    prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,9 @@ class ModelRunnerOutput:
     # Aligned with SchedulerOutput.requests; empty for prefill chunks that do not end the prompt.
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
+    # Per request index: (prompt position, logprobs of the prompt token there), for the requests
+    # that asked for prompt logprobs and computed part of their prompt in this step.
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +106,7 @@ class LaunchedStep:
     plain_logprobs: list[TokenLogprobs | None] | None = None
     spec_token_ids: list[list[int]] = field(default_factory=list)
     spec_logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    prompt_logprobs: dict[int, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
     def get(self) -> ModelRunnerOutput:
         """Wait for the step's tokens (the host's only wait on the device per step)."""
@@ -113,7 +124,7 @@ class LaunchedStep:
         for k, i in enumerate(self.spec):
             sampled[i] = self.spec_token_ids[k]
             logprobs[i] = self.spec_logprobs[k]
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -280,6 +291,7 @@ class ModelRunner:
         spec: list[int] = []  # requests whose proposals are verified
         fill_chunks: list[int] = []  # chunks whose last token is pending (async scheduling)
         fill_rows: list[int] = []  # ... and its row in the previous launch's sampled tokens
+        prompt_rows: list[int] = []  # prefill chunks whose every row's logits are wanted
         for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
             drafts = out.spec_token_ids[i]
             start = out.num_computed_tokens[i]
@@ -290,7 +302,13 @@ class ModelRunner:
                 fill_rows.append(self._last_sampled_rows[request.request_id])
                 tokens.append(0)
             chunks.append(SeqChunk(tokens + drafts, start, out.block_ids[i]))
-            if drafts:
+            wants_prompt = request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+            if wants_prompt and not drafts:
+                prompt_rows.append(i)
+                if end == request.num_tokens + request.num_pending_tokens:
+                    plain.append(i)  # its last row samples, as a plain row does
+                num_logits.append(len(tokens))
+            elif drafts:
                 spec.append(i)
                 num_logits.append(1 + len(drafts))
             elif end == request.num_tokens + request.num_pending_tokens:
@@ -312,7 +330,8 @@ class ModelRunner:
             grammar = out.grammar_bitmask
             plain_logits = logits  # every logit row is a plain one, in order, unless others share the step
             if len(plain) != logits.shape[0]:
-                plain_logits = logits[torch.from_numpy(offsets[plain]).to(self.device)]
+                last_rows = offsets[np.asarray(plain) + 1] - 1  # a plain chunk's one row is its last
+                plain_logits = logits[torch.from_numpy(last_rows).to(self.device)]
             if grammar is None and all(plain_greedy(r) for r in requests):
                 sampled = plain_logits.argmax(dim=-1)  # what the sampler would do, without its set-up
             else:
@@ -338,6 +357,8 @@ class ModelRunner:
                 step.ready.record()
             else:
                 step.plain_tokens = sampled
+        for i in prompt_rows:
+            step.prompt_logprobs[i] = self._prompt_logprobs(out, i, logits[offsets[i] : offsets[i + 1]])
         if spec:
             rows = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in spec]))
             verify_rows = [
@@ -350,3 +371,17 @@ class ModelRunner:
             )  # fmt: skip
             step.spec_token_ids, step.spec_logprobs = verified.token_ids, verified.logprobs
         return step
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, i: int, rows: torch.Tensor
+    ) -> list[tuple[int, TokenLogprobs]]:
+        """Logprobs of the prompt tokens chunk i's rows predict: row j (position start + j) predicts
+        the token at start + j + 1, while that is a prompt token."""
+        request = out.requests[i]
+        start = out.num_computed_tokens[i]
+        positions = range(start + 1, min(start + 1 + rows.shape[0], request.num_prompt_tokens))
+        if not positions:
+            return []
+        targets = [request.prompt_token_ids[p] for p in positions]
+        k = request.sampling_params.prompt_logprobs or 0
+        return list(zip(positions, prompt_logprobs(rows[: len(targets)], targets, k), strict=True))

@@ -518,3 +518,24 @@ def gather_logprobs(
         top = list(zip(top_ids_l[row][:n], top_values_l[row][:n], strict=True))
         result.append(TokenLogprobs(sampled_l[row], token_logprob_l[row], rank_l[row], top))
     return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of the prompt tokens `targets` (row i of `logits` predicts targets[i]) with their
+    top-k alternatives, from the raw distribution. In slices of rows, so that the float32 copy
+    costs a bounded amount of memory beyond the logits themselves."""
+    out: list[TokenLogprobs] = []
+    vocab = logits.shape[-1]
+    k = min(k, vocab)
+    step = max(1, (1 << 26) // max(vocab, 1))  # rows per slice: ~256 MB of float32
+    for begin in range(0, len(targets), step):
+        rows = logits[begin : begin + step].float().log_softmax(dim=-1)
+        tgt = torch.tensor(targets[begin : begin + step], dtype=torch.long, device=rows.device)
+        token_lp = rows.gather(1, tgt.unsqueeze(1)).squeeze(1)
+        rank = (rows > token_lp.unsqueeze(1)).sum(dim=-1) + 1
+        top_values, top_ids = rows.topk(k, dim=-1) if k > 0 else (rows[:, :0], rows[:, :0].long())
+        for t, lp, r, ids, vals in zip(
+            tgt.tolist(), token_lp.tolist(), rank.tolist(), top_ids.tolist(), top_values.tolist(), strict=True
+        ):
+            out.append(TokenLogprobs(t, lp, r, list(zip(ids, vals, strict=True))))
+    return out

@@ -118,6 +118,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Number of most likely alternatives to report per generated token (None: no logprobs).
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: logprobs (with this many alternatives) of each prompt token after the
+    # first; None: none. Such a request computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Prefix-cache isolation (vLLM's `cache_salt`): mixed into the hash of the first KV block, so
     # only requests carrying the same salt can share cached KV. Not a sampling parameter, but it
@@ -193,6 +196,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (

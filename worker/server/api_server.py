@@ -38,6 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int = 256
     tool_call_parser: str | None = None  # `tool_choice: "auto"`: worker/server/tool_parsers.py
+    max_unstreamed_entries: int | None = None  # a non-streamed answer's bound (None: its default)
     drain_timeout: float = 30.0
     # Liveness fails while one pass of the engine loop (a step, with its commands and metrics) has
     # run longer than this (seconds; 0: never), so the kubelet restarts a worker whose engine thread
@@ -185,7 +186,14 @@ async def models(request: web.Request) -> web.Response:
 def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> web.Application:
     model_name = config.served_model_name or engine_args.model
     serving = OpenAIServing(
-        llm, ServingConfig(model_name, engine_args.model, config.max_queued_requests, config.tool_call_parser)
+        llm,
+        ServingConfig(
+            model_name,
+            engine_args.model,
+            config.max_queued_requests,
+            config.tool_call_parser,
+            config.max_unstreamed_entries,
+        ),
     )
     state = ServerState(llm, serving, config, model_name)
     state.idle.set()

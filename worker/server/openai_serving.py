@@ -114,13 +114,22 @@ def top_logprobs_by_text(top: list[tuple[int, float]], text: Callable[[int], str
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the tokenizer's chat template over the messages (tool calls and tool
-    answers included) and the tools (a template that does not read `tools` leaves them out)."""
+    answers included), the tools (a template that does not read `tools` leaves them out) and the
+    request's `chat_template_kwargs` as template variables (protocol.py refuses the reserved ones)."""
     try:
         encoded = tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # a template that rejects the conversation (e.g. role order)
         raise _bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None
@@ -133,6 +142,40 @@ class ServingConfig:
     model_path: str
     max_queued_requests: int
     tool_call_parser: str | None = None  # reads `tool_choice: "auto"` calls (tool_parsers.py)
+    # A non-streamed answer's bound in token entries (unstreamed_entries); None: the default below.
+    max_unstreamed_entries: int | None = None
+
+
+def default_unstreamed_budget(max_model_len: int) -> int:
+    """A non-streamed answer's default bound in token entries: n=1 with logprobs 5 over the whole
+    context fits (6 x max_model_len), and never under 2^20 entries (~100 MB of JSON with top
+    logprobs, chat's `bytes` lists included)."""
+    return max(1 << 20, 8 * max_model_len)
+
+
+def unstreamed_entries(max_tokens: list[int], n: int, logprobs: int) -> int:
+    """What a non-streamed answer holds until its end, and serializes at once: every sequence's
+    tokens, each with its logprobs entries (prompts x n x max_tokens x (1 + logprobs))."""
+    return sum(max_tokens) * n * (1 + logprobs)
+
+
+def bound_unstreamed(
+    max_tokens: list[int], n: int, logprobs: int, given: bool, budget: int, param: str
+) -> list[int]:
+    """Each prompt's max_tokens for a non-streamed answer within `budget`: a default (not `given`)
+    max_tokens is lowered to fit, as it is to fit the context; a given one past it is a 400 that
+    asks for a stream (which holds one step's tokens at a time)."""
+    if unstreamed_entries(max_tokens, n, logprobs) <= budget:
+        return max_tokens
+    if not given:
+        per_sequence = max(1, budget // (len(max_tokens) * n * (1 + logprobs)))
+        return [min(m, per_sequence) for m in max_tokens]
+    raise _bad_request(
+        f"a non-streamed answer of prompts x n x {param} x (1 + logprobs) = {len(max_tokens)} x {n} x "
+        f"{max(max_tokens)} x {1 + logprobs} token entries is more than this server holds for one "
+        f"answer ({budget}); send stream: true, or lower {param}, n or logprobs",
+        param=param,
+    )
 
 
 def client_key(request: web.Request) -> str:
@@ -175,6 +218,13 @@ class OpenAIServing:
         if self._longest_token_bytes is None:
             self._longest_token_bytes = longest_token_bytes(self.tokenizer)
         return self.max_model_len * self._longest_token_bytes
+
+    @property
+    def unstreamed_budget(self) -> int:
+        """Token entries one non-streamed answer may hold (bound_unstreamed)."""
+        if self.config.max_unstreamed_entries is not None:
+            return self.config.max_unstreamed_entries
+        return default_unstreamed_budget(self.max_model_len)
 
     def body_limits(self, num_prompts: int) -> tuple[int, int]:
         return body_limits(num_prompts, self.max_prompt_bytes, self.max_model_len)
@@ -300,9 +350,13 @@ class OpenAIServing:
         return self.tokenizer.encode(prompt)
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return render_chat(self.tokenizer, messages, add_generation_prompt, tools)
+        return render_chat(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -368,14 +422,13 @@ class OpenAIServing:
         body: CompletionRequest = await parse_body(request, CompletionRequest, self.body_limits(MAX_PROMPTS))
         self.check_model(body.model)
         prompts = [await self.encode(p) for p in body.prompts()]
-        params = [
-            self.make_params(
-                lambda p=p: body.sampling_params(
-                    self.resolve_max_tokens(len(p), body.max_tokens, "prompt"), body.logprobs
-                )
-            )
-            for p in prompts
-        ]
+        max_tokens = [self.resolve_max_tokens(len(p), body.max_tokens, "prompt") for p in prompts]
+        if not body.stream:
+            max_tokens = bound_unstreamed(
+                max_tokens, body.n, body.logprobs or 0, body.max_tokens is not None,
+                self.unstreamed_budget, "max_tokens",
+            )  # fmt: skip
+        params = [self.make_params(lambda m=m: body.sampling_params(m, body.logprobs)) for m in max_tokens]
         grammar = await self.prepare_grammar(request, params[0], body.structured_outputs_param)
         self.check_capacity(len(prompts) * body.n, body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -388,17 +441,30 @@ class OpenAIServing:
             for p in prompts
         ]
 
-        def choice(i: int, c: CompletionOutput, text: str, offset: int) -> dict[str, Any]:
+        def choice(
+            i: int, c: CompletionOutput, text: str, offset: int, out: RequestOutput | None = None
+        ) -> dict[str, Any]:
             """`offset`: the text_offset of c's first token (from the start of the choice's text,
-            echoed prompt included)."""
+            echoed prompt included). `out`: the echoed prompt's logprobs go first (echo +
+            logprobs), and vLLM's `prompt_logprobs` field, when asked, is filled from it."""
             logprobs = None
             if body.logprobs is not None and c.logprobs is not None:
                 logprobs = self.completion_logprobs(c.logprobs, offset)
+            extra: dict[str, Any] = {}
+            if out is not None and out.prompt_logprobs is not None:
+                if body.echo and body.logprobs is not None:
+                    echoed = self.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs)
+                    logprobs = echoed if logprobs is None else _join_logprobs(echoed, logprobs)
+                if body.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                        out.prompt_logprobs, body.prompt_logprobs
+                    )
             return {
                 "index": i * body.n + c.index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
+                **extra,
             }
 
         base = {
@@ -410,7 +476,7 @@ class OpenAIServing:
         if not body.stream:
             finals = await self._collect(self.run(prompts, params, request_id, grammar), len(prompts))
             choices = [
-                choice(i, c, echo_text[i] + c.text, len(echo_text[i]))
+                choice(i, c, echo_text[i] + c.text, len(echo_text[i]), out)
                 for i, out in enumerate(finals)
                 for c in out.outputs
             ]
@@ -418,13 +484,14 @@ class OpenAIServing:
             self._log(request_id, "completions", finals)
             return web.json_response({**base, "choices": choices, "usage": usage(finals)})
 
-        def first_delta(i: int, c: CompletionOutput) -> dict[str, Any] | None:
-            # With echo, the prompt text goes out first, on its own.
-            return (
-                {**choice(i, c, echo_text[i], 0), "logprobs": None, "finish_reason": None}
-                if body.echo
-                else None
-            )
+        def first_delta(i: int, c: CompletionOutput, out: RequestOutput) -> dict[str, Any] | None:
+            # With echo, the prompt text goes out first, on its own (with logprobs: theirs).
+            if not body.echo:
+                return None
+            echoed = None
+            if body.logprobs is not None and out.prompt_logprobs is not None:
+                echoed = self.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs)
+            return {**choice(i, c, echo_text[i], 0), "logprobs": echoed, "finish_reason": None}
 
         offsets: dict[tuple[int, int], int] = {}  # per choice: the text_offset of its next token
 
@@ -448,6 +515,47 @@ class OpenAIServing:
             "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
         }
 
+    def echo_logprobs(
+        self, prompt_ids: list[int], lps: list[TokenLogprobs | None], top: int
+    ) -> dict[str, Any]:
+        """Completions' logprobs of an echoed prompt: its first token has none (nothing predicts
+        it), as in vLLM and OpenAI's legacy API. Offsets count special tokens as empty, as the
+        echoed text (decoded without them) does."""
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        tokens = [self.token_text(t) for t in prompt_ids]
+        widths = [0 if t in special else len(text) for t, text in zip(prompt_ids, tokens, strict=True)]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
+            "top_logprobs": [
+                None if lp is None else top_logprobs_by_text(lp.top[:top], self.token_text) for lp in lps
+            ],
+            "text_offset": list(accumulate(widths[:-1], initial=0)),
+        }
+
+    def vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], top: int) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> its
+        logprob, rank and text, for the token itself and the `top` most likely."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {
+                str(lp.token_id): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(lp.token_id),
+                }
+            }
+            for rank, (token_id, value) in enumerate(lp.top[:top], start=1):
+                entry.setdefault(
+                    str(token_id),
+                    {"logprob": value, "rank": rank, "decoded_token": self.token_text(token_id)},
+                )
+            out.append(entry)
+        return out
+
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.body_limits(1))
@@ -458,9 +566,15 @@ class OpenAIServing:
         make_extractor = self.tool_call_extractor(body)
         # Templating (Python) and tokenizing run off the event loop.
         prompt = await asyncio.get_running_loop().run_in_executor(
-            None, self._render_chat, messages, body.add_generation_prompt, tools
+            None, self._render_chat, messages, body.add_generation_prompt, tools, body.chat_template_kwargs
         )
         max_tokens = self.resolve_max_tokens(len(prompt), body.requested_max_tokens, "messages")
+        if not body.stream:
+            param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            (max_tokens,) = bound_unstreamed(
+                [max_tokens], body.n, body.num_logprobs or 0, body.requested_max_tokens is not None,
+                self.unstreamed_budget, param,
+            )  # fmt: skip
         params = self.make_params(lambda: body.sampling_params(max_tokens, body.num_logprobs))
         grammar = await self.prepare_grammar(request, params, body.structured_outputs_param)
         self.check_capacity(body.n, body.n)
@@ -492,11 +606,16 @@ class OpenAIServing:
                     {"index": c.index, "message": msg, "logprobs": logprobs(c), "finish_reason": reason}
                 )
             self._log(request_id, "chat", finals)
+            extra = {}
+            if body.prompt_logprobs is not None and finals[0].prompt_logprobs is not None:
+                extra["prompt_logprobs"] = self.vllm_prompt_logprobs(
+                    finals[0].prompt_logprobs, body.prompt_logprobs
+                )
             return web.json_response(
-                {**base, "object": "chat.completion", "choices": choices, "usage": usage(finals)}
+                {**base, "object": "chat.completion", "choices": choices, "usage": usage(finals), **extra}
             )
 
-        def first_delta(i: int, c: CompletionOutput) -> dict[str, Any]:
+        def first_delta(i: int, c: CompletionOutput, out: RequestOutput) -> dict[str, Any]:
             return {
                 "index": c.index,
                 "delta": {"role": "assistant", "content": ""},
@@ -505,15 +624,13 @@ class OpenAIServing:
             }
 
         streams: dict[int, ToolCallStream] = {}  # per choice, with tools
-        texts: dict[int, str] = {}
 
         def delta(i: int, c: CompletionOutput) -> dict[str, Any]:
             if make_extractor is None:
                 d, reason = ({"content": c.text} if c.text else {}), c.finish_reason
             else:
                 stream = streams.setdefault(c.index, ToolCallStream(make_extractor()))
-                text = texts[c.index] = texts.get(c.index, "") + c.text
-                content, calls = stream.update(text, final=c.finished)
+                content, calls = stream.update(c.text, final=c.finished)
                 d = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
                 reason = tool_finish_reason(c.finish_reason, stream)
             return {"index": c.index, "delta": d, "logprobs": logprobs(c), "finish_reason": reason}
@@ -539,7 +656,10 @@ class OpenAIServing:
                 f"({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice required or a named function",
                 param=body.tool_choice_param,
             )
-        return TOOL_CALL_PARSERS[parser]
+        # parallel_tool_calls: false: the first call only (vLLM's behaviour; required's grammar
+        # allows one item).
+        max_calls = 1 if body.parallel_tool_calls is False else None
+        return lambda: TOOL_CALL_PARSERS[parser](max_calls=max_calls)
 
     def chat_logprob(self, lp: TokenLogprobs, top: int) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:
@@ -575,7 +695,7 @@ class OpenAIServing:
         params: list[SamplingParams],
         include_usage: bool,
         base: dict[str, Any],
-        first_delta: Callable[[int, CompletionOutput], dict[str, Any] | None],
+        first_delta: Callable[[int, CompletionOutput, RequestOutput], dict[str, Any] | None],
         delta: Callable[[int, CompletionOutput], dict[str, Any]],
         grammar: GrammarHandle | None = None,
     ) -> web.StreamResponse:
@@ -612,7 +732,7 @@ class OpenAIServing:
                     key = (i, c.index)
                     if key not in opened:
                         opened.add(key)
-                        first = first_delta(i, c)
+                        first = first_delta(i, c, out)
                         if first is not None:
                             firsts.append(first)
                     if key in held:
@@ -664,6 +784,11 @@ class OpenAIServing:
                 "e2e_s": max((c.metrics.e2e_latency or 0.0 for c in comps), default=None),
             },
         )
+
+
+def _join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Completions' logprobs of the echoed prompt followed by those of the completion."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def usage(finals: list[RequestOutput | None]) -> dict[str, Any]:

@@ -43,6 +43,16 @@ MAX_BAD_WORD_CHARS = 64
 MAX_CHOICES = 256  # strings in one structured-outputs choice list
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's limit)
 MAX_TOOL_CALLS = 128  # calls in one assistant message of the history
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries
+
+# apply_chat_template's own parameters and what the server renders from the request itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
 
 # OpenAI-defined fields that ask for something we do not do: refused unless absent, null, or the
 # value that means what we do anyway.
@@ -154,6 +164,8 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     include_stop_str_in_output: bool = False
+    # Logprobs of the prompt's tokens, with this many alternatives each (vLLM's extra).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
     # Prefix-cache isolation: only requests with the same salt share cached KV (docs/server.md).
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -219,6 +231,14 @@ class _SamplingFields(BaseModel):
                 raise ValueError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters")
         return v
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v, info: ValidationInfo):
+        # A stream would carry them in its first chunk; not implemented: refused, not dropped.
+        if v is not None and info.data.get("stream"):
+            raise ValueError("not supported with stream: true (completions' echo + logprobs is)")
+        return v
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v, info: ValidationInfo):
@@ -247,10 +267,16 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=self.wanted_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_outputs_params(),
         )
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine must compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's one constraint; APIError (400 naming the field) for two, or a malformed one."""
@@ -344,6 +370,12 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise ValueError("not supported")
         return v
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        # echo + logprobs: the echoed prompt's tokens come with their logprobs (lm-eval's scoring).
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -505,6 +537,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's extra: variables for the chat template (Qwen3's `enable_thinking`, ...).
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
     # OpenAI's, not implemented (see _NO_OP_VALUES)
     functions: Any = None
     function_call: Any = None
@@ -523,6 +557,16 @@ class ChatCompletionRequest(_SamplingFields):
         no_ops = _NO_OP_VALUES[info.field_name]
         if v is not None and not any(v == ok and type(v) is type(ok) for ok in no_ops):
             raise ValueError("not supported")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, v):
+        # The names apply_chat_template itself takes (or renders from the request) would let a
+        # client replace the messages or tools, or change what is returned: refused, not passed.
+        taken = sorted(set(v or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set here (they come from the request)")
         return v
 
     @field_validator("tool_choice")
