@@ -77,6 +77,7 @@ class AsyncLLM:
         # Sequences of added requests, counted when the event loop queues the add and again when the
         # engine thread takes it: each counter has a single writer, so no update is ever lost.
         self._num_submitted = 0
+        self._num_preparing = 0  # sequences of requests being made off the loop (generate)
         self._num_taken = 0
         # (_num_submitted after the add, when it was queued) of adds the engine thread may not have
         # taken yet; event loop side. A thread hung while idle never starts a pass (busy_since
@@ -171,7 +172,8 @@ class AsyncLLM:
         """Requests not yet admitted to the running batch (queued in the engine or on their way)."""
         assert self.engine is not None
         # The engine thread counts an add as taken before the scheduler queues it: never counted twice.
-        return len(self.engine.scheduler.waiting) + self._num_submitted - self._num_taken
+        in_flight = self._num_submitted - self._num_taken + self._num_preparing
+        return len(self.engine.scheduler.waiting) + in_flight
 
     async def generate(
         self,
@@ -191,9 +193,15 @@ class AsyncLLM:
         if params.structured_outputs is not None and grammar is None:
             grammar = await self.prepare_grammar(params)
         engine = self.engine
-        parent = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: engine.make_request(prompt, params, request_id, grammar=grammar)
-        )
+        # Counted as waiting while it is made, so that the admission check of a request arriving
+        # meanwhile sees it (the server's check and this add are not one step any more).
+        self._num_preparing += params.n
+        try:
+            parent = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: engine.make_request(prompt, params, request_id, grammar=grammar)
+            )
+        finally:
+            self._num_preparing -= params.n
         stream = _Stream()
         self._streams[request_id] = stream
         self._num_submitted += len(parent.children)
