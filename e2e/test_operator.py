@@ -633,7 +633,7 @@ def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operato
         (
             "PodDisruptionBudget",
             client.PolicyV1Api(operator.api).list_namespaced_pod_disruption_budget,
-            ["crash"],
+            ["crash", "crash-router"],
         ),
     ):  # the workers' children and the router's, once each
         assert sorted(o.metadata.name for o in lister(namespace).items) == names, kind
