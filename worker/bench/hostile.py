@@ -1,7 +1,7 @@
 """Hostile-client benchmark (issue 26's must-show 2): named attack bodies against a live worker.
 
-One fresh `kvscale-worker serve` subprocess; throughout, a prober GETs `/health` every 20 ms and
-a sampler reads the server's RSS every 50 ms. Phases, in order:
+One fresh `kvscale-worker serve` subprocess; throughout, a prober in a process of its own GETs
+`/health` every 20 ms and reads the server's RSS. Phases, in order:
 
 1. `idle`: the plain request (a short greedy completion) alone, `--plain-repeats` times;
 2. `deep_schema`: the 24 KB JSON schema nested 400 levels deep (the issue's 11 s loop stall);
@@ -20,6 +20,7 @@ usage after the last phase (must be back to 0). `goals` says which of the issue'
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -67,34 +68,49 @@ def constrained_body(**constraint: Any) -> dict[str, Any]:
     return {"prompt": "x = ", "max_tokens": 8, "temperature": 0, "structured_outputs": constraint}
 
 
+def _probe(base: str, pid: int, period: float, stop, out) -> None:
+    """The prober's process: its own interpreter, so that the client's event loop (encoding and
+    reading the attack bodies) cannot delay a probe and be blamed on the server."""
+    import urllib.request
+
+    import psutil
+
+    proc = psutil.Process(pid)
+    health: list[float] = []
+    rss: list[int] = []
+    failures = 0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=10) as r:
+                r.read()
+                failures += r.status != 200
+        except OSError:  # a refused or timed-out probe is a failure, counted
+            failures += 1
+        health.append(time.perf_counter() - t0)
+        rss.append(proc.memory_info().rss)
+        stop.wait(period)
+    out.put((health, rss, failures))
+
+
 class Probe:
-    """/health every `period` s and the server's RSS, until stopped."""
+    """/health every `period` s and the server's RSS, from a process of its own, until stopped."""
 
-    def __init__(self, session, base: str, pid: int, period: float = 0.02) -> None:
-        self.session, self.base, self.pid, self.period = session, base, pid, period
+    def __init__(self, base: str, pid: int, period: float = 0.02) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop, self._out = ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_probe, args=(base, pid, period, self._stop, self._out), daemon=True)
         self.health: list[float] = []
-        self.health_failures = 0
         self.rss: list[int] = []
-        self._stop = asyncio.Event()
+        self.health_failures = 0
 
-    async def run(self) -> None:
-        import psutil
-
-        proc = psutil.Process(self.pid)
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            try:
-                async with self.session.get(self.base + "/health") as r:
-                    await r.read()
-                    self.health_failures += r.status != 200
-            except Exception:  # a refused or timed-out probe is a failure, counted
-                self.health_failures += 1
-            self.health.append(time.perf_counter() - t0)
-            self.rss.append(proc.memory_info().rss)
-            await asyncio.sleep(self.period)
+    def start(self) -> None:
+        self._proc.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.health, self.rss, self.health_failures = self._out.get(timeout=60)
+        self._proc.join(10)
 
 
 async def post(session, base: str, body: dict[str, Any], timeout: float) -> tuple[int | str, float]:
@@ -131,10 +147,12 @@ async def attack(base: str, pid: int, args) -> dict[str, Any]:
 
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
-        probe = Probe(session, base, pid)
-        probe_task = asyncio.create_task(probe.run())
-        await asyncio.sleep(0.5)
-        idle_rss = max(probe.rss)
+        import psutil
+
+        probe = Probe(base, pid)
+        probe.start()
+        await asyncio.sleep(2.0)  # the prober's interpreter starts
+        idle_rss = psutil.Process(pid).memory_info().rss
         phases: dict[str, Any] = {}
         t = args.request_timeout
 
@@ -162,7 +180,6 @@ async def attack(base: str, pid: int, args) -> dict[str, Any]:
 
         await asyncio.sleep(0.5)
         probe.stop()
-        await probe_task
         async with session.get(base + "/metrics") as r:
             metrics = await r.text()
     kv = next(
