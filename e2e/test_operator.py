@@ -748,7 +748,7 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
     forbidden = []
     for line in (operator.state_dir / "audit.log").read_text().splitlines():
         event = json.loads(line)
-        if event["user"]["username"] != OPERATOR_USER or "objectRef" not in event:
+        if event["user"].get("username") != OPERATOR_USER or "objectRef" not in event:
             continue
         ref = event["objectRef"]
         resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")

@@ -105,7 +105,7 @@ def scale_writes(cluster, since: int, ns: str, name: str) -> list[str]:
             and event["verb"] in ("update", "patch")
             and event.get("responseStatus", {}).get("code") == 200
         ):
-            out.append(event["user"]["username"])
+            out.append(event["user"].get("username"))
     return out
 
 

@@ -37,7 +37,7 @@ def operator_requests(cluster, since_line: int, ns: str | None = None) -> list[d
     for line in (cluster.state_dir / "audit.log").read_text().splitlines()[since_line:]:
         event = json.loads(line)
         ref = event.get("objectRef")
-        if event["user"]["username"] != OPERATOR_USER or ref is None:
+        if event["user"].get("username") != OPERATOR_USER or ref is None:
             continue
         if ns is not None and ref.get("namespace") != ns:
             continue

