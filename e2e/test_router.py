@@ -167,6 +167,36 @@ def test_from_zero_twenty_requests_make_one_scale_up_all_200_and_idle_goes_back_
     assert "scale to zero 1 -> 0" in decisions[-1]["reason"], decisions
 
 
+class ClientLoad:
+    """Three client threads (one streaming) sending completions through `ip` until stopped,
+    started once ten have been served; `results` holds every status, `errors` the failed bodies."""
+
+    def __init__(self, ip: str, name: str, what: str) -> None:
+        self.results: list[int] = []
+        self.errors: list[bytes] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(ip, name, i == 0), daemon=True) for i in range(3)
+        ]
+        for t in self._threads:
+            t.start()
+        wait_for(lambda: len(self.results) >= 10, timeout=120, interval=0.5, what=what)
+
+    def _loop(self, ip: str, name: str, stream: bool) -> None:
+        while not self._stop.is_set():
+            status, body = complete(ip, name, stream=stream, timeout=120)
+            with self._lock:
+                self.results.append(status)
+                if status != 200:
+                    self.errors.append(body[:300])
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=150)
+
+
 def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
     operator,  # noqa: F811
     namespace,  # noqa: F811
@@ -175,23 +205,8 @@ def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
     apply(operator, example(name, ns, replicas=2))
     wait_ready(operator, name, ns, replicas=2)
     ip = wait_router(operator, name, ns)
-    results: list[int] = []
-    errors: list[bytes] = []
-    stop = threading.Event()
-    lock = threading.Lock()
-
-    def client_loop(i: int) -> None:
-        while not stop.is_set():
-            status, body = complete(ip, name, stream=(i == 0), timeout=120)
-            with lock:
-                results.append(status)
-                if status != 200:
-                    errors.append(body[:300])
-
-    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(results) >= 10, timeout=120, interval=0.5, what="requests through the router")
+    load = ClientLoad(ip, name, "requests through the router")
+    results = load.results
     victim = worker_pods(operator, ns)[0].metadata.name
     operator.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
     before = len(results)
@@ -203,10 +218,8 @@ def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
     )
     wait_ready(operator, name, ns, replicas=2)  # its replacement
     time.sleep(3)
-    stop.set()
-    for t in threads:
-        t.join(timeout=150)
-    assert not errors, errors[:5]
+    load.stop()
+    assert not load.errors, load.errors[:5]
     assert len(results) > before  # requests were served while the worker went
     assert set(results) == {200}
 
@@ -272,23 +285,8 @@ def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
     )
     assert pdb.spec.max_unavailable == 1
     ip = router_ip(operator, name, ns)
-    results: list[int] = []
-    errors: list[bytes] = []
-    stop = threading.Event()
-    lock = threading.Lock()
-
-    def client_loop(i: int) -> None:
-        while not stop.is_set():
-            status, body = complete(ip, name, stream=(i == 0), timeout=120)
-            with lock:
-                results.append(status)
-                if status != 200:
-                    errors.append(body[:300])
-
-    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(results) >= 10, timeout=120, interval=0.5, what="requests through the routers")
+    load = ClientLoad(ip, name, "requests through the routers")
+    results = load.results
     first, second = (p.metadata.name for p in router_pods(operator, name, ns))
 
     def evict(pod: str) -> None:
@@ -307,9 +305,7 @@ def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
         what="the evicted router replaced",
     )
     time.sleep(3)
-    stop.set()
-    for t in threads:
-        t.join(timeout=150)
-    assert not errors, errors[:5]
+    load.stop()
+    assert not load.errors, load.errors[:5]
     assert len(results) > before  # served while a router went
     assert set(results) == {200}
