@@ -53,6 +53,7 @@ from kvscale.operator.autoscaling import (
     Sample,
     confirms_idle,
 )
+from kvscale.operator.capped_body import TooLarge, read_capped
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     LWS_WORKER_INDEX,
@@ -72,7 +73,6 @@ SCRAPE_TIMEOUT_S = 1.5
 # bug): the pod counts as unreadable. The operator runs in 512Mi with kopf and the lease on one
 # event loop, so nothing it reads from a pod may be unbounded.
 SCRAPE_MAX_BYTES = 1 << 20
-SCRAPE_CHUNK = 64 << 10
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every unmarked pod (default 0): removed first
 KEEP_DECISIONS = 5
@@ -206,24 +206,6 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     running = worker.state.running if worker is not None and worker.state is not None else None
     started = running.started_at.timestamp() if running is not None and running.started_at else None
     return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
-
-
-class TooLarge(Exception):
-    pass
-
-
-async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    """The body, read in chunks; TooLarge as soon as it passes `max_bytes` (the rest is never
-    read: the connection is dropped)."""
-    if response.content_length is not None and response.content_length > max_bytes:
-        raise TooLarge(f"Content-Length {response.content_length}")
-    chunks, size = [], 0
-    async for chunk in response.content.iter_chunked(SCRAPE_CHUNK):
-        size += len(chunk)
-        if size > max_bytes:
-            raise TooLarge(f"over {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def scrape(

@@ -134,6 +134,53 @@ async def _scrape_twice():
     assert scraper.errors >= 1
 
 
+def test_scraper_drops_an_endless_metrics_body_at_its_cap_and_keeps_scraping_the_rest():
+    """Issue 27: a pod in the worker Service's endpoints (a tenant's look-alike, a bug) that answers
+    /metrics with an endless body costs the router one failed scrape, capped, not its memory."""
+    asyncio.run(_scrape_endless())
+
+
+async def _scrape_endless():
+    import aiohttp
+
+    page = _worker_exposition(kv=0.5, waiting=1, running=2, blocks=64)
+    sent = [0]
+    chunk = b"vllm:num_requests_waiting 1\n" * 2048  # ~56 KiB of lines the parser would keep
+
+    async def good(request):
+        return web.Response(text=page, content_type="text/plain")
+
+    async def endless(request):
+        response = web.StreamResponse()  # chunked, no Content-Length
+        await response.prepare(request)
+        while sent[0] < 64 << 20:  # a regression stops here rather than exhaust the machine
+            await response.write(chunk)
+            sent[0] += len(chunk)
+        return response
+
+    runners, urls = [], []
+    for handler in (good, endless):
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    seen = {}
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        scraper = Scraper(
+            session, lambda: urls, seen.__setitem__, interval_s=0.05, timeout_s=5.0, max_bytes=1 << 20
+        )
+        await scraper.scrape_all()
+    for runner in runners:
+        await runner.cleanup()
+    assert urls[0] in seen and urls[1] not in seen
+    assert scraper.errors == 1
+    assert sent[0] < 8 << 20, f"the router read {sent[0]} bytes of an endless body"
+
+
 # -- the watch loop, against stand-ins for the API server ----------------------------------------
 class StandInSliceAPI:
     """A stand-in for the API server's EndpointSlice list (unit tests only; e2e/test_router_endpoints.py

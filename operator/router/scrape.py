@@ -2,7 +2,9 @@
 
 Only the families the router reads are parsed: the rest of the exposition (histograms, mostly) is
 dropped line by line first, so a scrape costs the event loop a few hundred lines, not thousands.
-Sums over label sets (a worker serves one model, so there is one of each).
+Sums over label sets (a worker serves one model, so there is one of each). A body past
+`max_bytes` (1 MiB; a worker's is ~20 KiB) is never read whole: the endpoint counts as a failed
+scrape (capped_body.py says why every scrape of a pod is capped).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscale.operator.capped_body import TooLarge, read_capped
 from kvscale.operator.router.state import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,7 @@ FAMILIES = {
     "kvscale_kv_cache_blocks": "kv_blocks",
 }
 _PREFIXES = tuple(FAMILIES)
+MAX_BYTES = 1 << 20
 
 
 def _wanted(line: str) -> bool:
@@ -73,9 +77,10 @@ class Scraper:
         interval_s: float = 0.25,
         timeout_s: float = 1.0,
         concurrency: int = 16,
+        max_bytes: int = MAX_BYTES,
     ) -> None:
         self.session, self.endpoints, self.on_metrics = session, endpoints, on_metrics
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s, self.max_bytes = interval_s, timeout_s, max_bytes
         self._limit = asyncio.Semaphore(concurrency)
         self.errors = 0
         self.scrapes = 0
@@ -84,12 +89,18 @@ class Scraper:
         async with self._limit:
             try:
                 timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-                async with self.session.get(url + "/metrics", timeout=timeout) as resp:
+                # Identity encoding: the session does not decompress (main.py), so a gzip body
+                # would not parse; asking for none keeps the cap a cap on what we parse.
+                headers = {"Accept-Encoding": "identity"}
+                get = self.session.get(
+                    url + "/metrics", timeout=timeout, headers=headers, allow_redirects=False
+                )
+                async with get as resp:
                     if resp.status != 200:
                         raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                    text = await resp.text()
-                metrics = parse_metrics(text)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                    body = await read_capped(resp, self.max_bytes)
+                metrics = parse_metrics(body.decode("utf-8", errors="replace"))
+            except (aiohttp.ClientError, TimeoutError, ValueError, TooLarge) as e:
                 self.errors += 1
                 logger.debug("scrape failed", extra={"endpoint": url, "error": repr(e)})
                 return
