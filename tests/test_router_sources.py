@@ -170,9 +170,7 @@ async def _scrape_endless():
         urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
     seen = {}
     async with aiohttp.ClientSession(auto_decompress=False) as session:
-        scraper = Scraper(
-            session, lambda: urls, seen.__setitem__, interval_s=0.05, timeout_s=5.0, max_bytes=1 << 20
-        )
+        scraper = Scraper(session, lambda: urls, seen.__setitem__, interval_s=0.05, timeout_s=5.0)
         await scraper.scrape_all()
     for runner in runners:
         await runner.cleanup()
