@@ -12,14 +12,16 @@ One fresh `kvscale-worker serve` subprocess; throughout, a prober in a process o
 
 Reported: every status seen per phase (a 5xx or a request past `--request-timeout` is a
 failure), `/health` p50/p100 latency over the whole run, the plain request's idle and burst
-latency (median) and their ratio, the server's peak RSS over its idle RSS, and the KV-cache
-usage after the last phase (must be back to 0). `goals` says which of the issue's goals were met:
+latency (median) and their ratio, the server's peak RSS over its idle RSS, the KV-cache
+usage after the last phase (must be back to 0), and the event-loop stalls the server's watchdog
+logged (what held the loop, worker/server/loop_watchdog.py). `goals` says which of the issue's goals were met:
 0 × 5xx, 0 hangs, `/health` p100 < 100 ms, burst latency <= 2 x idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import statistics
 import tempfile
@@ -219,13 +221,38 @@ async def attack(base: str, pid: int, args) -> dict[str, Any]:
     }
 
 
+def loop_stalls(log_path: Path, top: int = 5) -> dict[str, Any]:
+    """The server's "event loop stalled" records (worker/server/loop_watchdog.py): how many, the
+    longest, and the `top` longest with the innermost frames of what held the loop."""
+    stalls = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("msg") == "event loop stalled":
+            stalls.append(entry)
+    stalls.sort(key=lambda e: -e["stall_s"])
+    return {
+        "count": len(stalls),
+        "max_s": stalls[0]["stall_s"] if stalls else 0.0,
+        "longest": [
+            {k: e[k] for k in ("stall_s", "sampled_after_s", "in_gc")}
+            | {"stack": e["stack"].strip().splitlines()[-4:]}
+            for e in stalls[:top]
+        ],
+    }
+
+
 def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(args.model, list(args.server_flag or []), Path(tmp) / "server.log")
+        log = Path(tmp) / "server.log"
+        server = start_server(args.model, list(args.server_flag or []), log)
         try:
             result = asyncio.run(attack(server.base_url, server.proc.pid, args))
         finally:
             server.stop()
+        result["loop_stalls"] = loop_stalls(log)
     result["config"] = {k: v for k, v in vars(args).items() if k not in ("func", "json")}
     return result
 

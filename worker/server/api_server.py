@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.distributed.launcher import group_failure, on_group_failure
 from kvscale.worker.engine.async_llm import AsyncLLM
+from kvscale.worker.server.loop_watchdog import LoopWatchdog
 from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
 from kvscale.worker.server.protocol import APIError
 from kvscale.worker.server.request_body import MAX_BODY_BYTES
@@ -235,6 +236,8 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     logger.info("listening", extra={"host": config.host, "port": config.port, "model": model_name})
+    watchdog = LoopWatchdog(llm.metrics.registry)  # logs what holds the loop past 100 ms
+    watchdog.start()
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -248,6 +251,7 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         state.load_error = load.exception()
         logger.error("model load failed", exc_info=state.load_error)
         await runner.cleanup()
+        watchdog.stop()
         return 1
     if load.done():
         # Scans the vocabulary (128k entries for Llama 3): once, and off the event loop.
@@ -277,4 +281,5 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     if not load.done():
         load.cancel()
     await llm.shutdown()
+    watchdog.stop()
     return 0
