@@ -17,6 +17,8 @@ read of the Lease) and once stopping. Who leads: the body, and the kvscale_opera
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +92,30 @@ def watch_task(health: Health, task: asyncio.Task, what: str) -> None:
     task.add_done_callback(ended)
 
 
-def serve(health: Health, host: str, port: int) -> ThreadingHTTPServer:
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class _DualStackServer(_IPv6Server):
+    """One IPv6 socket that takes IPv4 too (IPV6_V6ONLY off), as http.server's own test server."""
+
+    def server_bind(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _listen(host: str | None, port: int, handler) -> ThreadingHTTPServer:
+    """None: every interface of both families (IPv4 only where the kernel has no IPv6)."""
+    if host is None:
+        try:
+            return _DualStackServer(("::", port), handler)
+        except OSError:
+            return ThreadingHTTPServer(("0.0.0.0", port), handler)
+    return (_IPv6Server if ":" in host else ThreadingHTTPServer)((host, port), handler)
+
+
+def serve(health: Health, host: str | None, port: int) -> ThreadingHTTPServer:
     """Serve the endpoints from a daemon thread; returns the server (its port: server_port)."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -116,7 +141,7 @@ def serve(health: Health, host: str, port: int) -> ThreadingHTTPServer:
         def log_message(self, *args) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _listen(host, port, Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True, name="health").start()
     return server

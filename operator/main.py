@@ -242,7 +242,7 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscale-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -284,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         "--renew-deadline + 1.2 x --retry-period, a standby's longest wait (env KVSCALE_LIVENESS_TIMEOUT)",
     )
     run.add_argument(
-        "--health-host", default=os.environ.get("KVSCALE_HOST", "0.0.0.0"), help="(env KVSCALE_HOST)"
+        "--health-host",
+        default=os.environ.get("KVSCALE_HOST") or None,
+        help="listen address (env KVSCALE_HOST; default: every interface, IPv4 and IPv6)",
     )
     run.add_argument(
         "--watch-namespace",
@@ -301,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     crd.add_argument("--markdown", action="store_true")
     crd.set_defaults(func=cmd_crd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
         from kvscale.operator.leader import JITTER, Timings

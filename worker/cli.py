@@ -66,7 +66,7 @@ def serve_follower_node(args: argparse.Namespace, engine_args: EngineArgs) -> in
 
     from kvscale.worker.distributed.follower_node import serve_follower_node
 
-    host, port = getattr(args, "host", "0.0.0.0"), getattr(args, "port", 8000)
+    host, port = getattr(args, "host", None), getattr(args, "port", 8000)
     return asyncio.run(serve_follower_node(engine_args, host, port))
 
 
@@ -157,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     EngineArgs.add_cli_args(srv, model_required=False)
     srv.add_argument(
-        "--host", default=os.environ.get("KVSCALE_HOST", "0.0.0.0"), help="listen address (env KVSCALE_HOST)"
+        "--host",
+        default=os.environ.get("KVSCALE_HOST") or None,
+        help="listen address (env KVSCALE_HOST; default: every interface, IPv4 and IPv6)",
     )
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(

@@ -46,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--endpoints", help="comma-separated worker URLs (static mode)")
     p.add_argument("--namespace", default=None, help="the Service's namespace (default: this pod's)")
     p.add_argument("--port-name", default=None, help="the EndpointSlice port to use (default: its first)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("KVSCALE_HOST") or None,
+        help="listen address (env KVSCALE_HOST; default: every interface, IPv4 and IPv6)",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", choices=POLICIES, default="kv-prefix", help="round-robin: the baseline")
     p.add_argument("--prefix-weight", type=float, default=3.0)

@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerConfig:
-    host: str = "0.0.0.0"
+    # None: every interface, IPv4 and IPv6 (asyncio binds one socket per family); "0.0.0.0" would
+    # leave a pod on an IPv6 or IPv6-first dual-stack cluster unreachable, probes included.
+    host: str | None = None
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
