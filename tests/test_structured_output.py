@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -19,6 +20,7 @@ from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.sample.sampler import Sampler, SamplingMetadata
 from kvscale.worker.sample.sampling_params import StructuredOutputsParams
+from kvscale.worker.structured_output.request import GrammarCompileTimeout
 from kvscale.worker.structured_output.xgrammar_backend import (
     XgrammarBackend,
     unsupported_json_schema_features,
@@ -342,6 +344,30 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llm: LLM, gated
     failed = engine.take_failed()
     assert set(failed) == {bad} and "compile failed on purpose" in str(failed[bad])
     assert engine.kv_cache_manager.usage() == 0.0
+
+
+def test_an_offline_compile_past_its_deadline_fails_its_request_and_is_cached_for_a_retry(
+    llm: LLM, gated, monkeypatch
+) -> None:
+    """Issue 26: offline (no server waited for the compile), a request in WAITING_FOR_GRAMMAR
+    gives up at grammar_compile_timeout instead of waiting forever; the others run; the compile
+    runs on and a retry is served from the cache."""
+    engine = llm.engine
+    monkeypatch.setattr(engine.args, "grammar_compile_timeout", 0.3)
+    regex = "deadline-[0-9]"
+    slow = engine.add_request(PROMPT, constrained(0.0, regex=regex))
+    good = engine.add_request("import os\n", SamplingParams(temperature=0.0, max_tokens=3))
+    finished, started = set(), time.monotonic()
+    while engine.has_unfinished_requests() and time.monotonic() - started < 20:
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {good} and not engine.has_unfinished_requests()
+    failed = engine.take_failed()
+    assert set(failed) == {slow}
+    assert isinstance(failed[slow].__cause__, GrammarCompileTimeout), failed[slow]
+    assert engine.kv_cache_manager.usage() == 0.0
+    gated.gate.set()  # the compile finishes late, into the cache
+    retry = llm.generate(PROMPT, constrained(0.0, regex=regex))[0].outputs[0]
+    assert re.fullmatch(regex, retry.text), retry.text
 
 
 def test_the_compile_cache_serves_one_grammar_to_every_request_with_it(llm: LLM) -> None:

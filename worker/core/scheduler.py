@@ -176,6 +176,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 so = request.structured_output
+                if so.expired(now):  # offline requests' compile deadline: failed, not waited on
+                    self._finish(self.waiting.popleft(), RequestStatus.FINISHED_ABORTED)
+                    self.grammar_failures.append(request)
+                    continue
                 if not so.is_ready():
                     skipped.append(self.waiting.popleft())
                     continue

@@ -27,7 +27,8 @@ from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.metrics import EngineMetrics
-from kvscale.worker.structured_output.manager import GrammarCompileTimeout, GrammarHandle
+from kvscale.worker.structured_output.manager import GrammarHandle
+from kvscale.worker.structured_output.request import GrammarCompileTimeout
 
 logger = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from kvscale.worker.spec_decode.decoder import SpeculativeDecoder, profile_step_
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer
 from kvscale.worker.spec_decode.ngram_proposer import NgramProposer
 from kvscale.worker.structured_output.manager import GrammarHandle, StructuredOutputManager
+from kvscale.worker.structured_output.request import GrammarCompileTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}")
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        # Offline, nothing waited for the compile before this: the scheduler gives up on it at this
+        # deadline (the server's prepare_grammar waited already, bounded the same way).
+        timeout = self.args.grammar_compile_timeout
+        grammar_deadline = None if grammar is not None or timeout is None else time.monotonic() + timeout
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -304,7 +309,9 @@ class LLMEngine:
                 # Its own seed per sequence; the sampler derives each position's noise from it.
                 child.seed = params.seed + i
             if params.structured_outputs is not None:  # compiles (once, cached) in the background
-                so = self.structured_output.init_request(params.structured_outputs, grammar_future, parsed)
+                so = self.structured_output.init_request(
+                    params.structured_outputs, grammar_future, parsed, grammar_deadline
+                )
                 child.structured_output, grammar_future = so, so.compiled
             children.append(child)
         self.scheduler.check_admissible(children[0])
@@ -565,9 +572,9 @@ class LLMEngine:
     def _fail_grammar_failures(self) -> None:
         for request in self.scheduler.take_grammar_failures():
             error = request.structured_output.error()
-            self._fail(
-                self._child_to_parent.get(request.request_id), ValueError(f"grammar compile failed: {error}")
-            )
+            if not isinstance(error, GrammarCompileTimeout):
+                error = ValueError(f"grammar compile failed: {error}")
+            self._fail(self._child_to_parent.get(request.request_id), error)
 
     def _wait_for_grammars(self, timeout: float = 0.01) -> None:
         """Nothing could be scheduled: if requests wait for their grammars, sleep until one is

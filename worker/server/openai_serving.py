@@ -50,7 +50,8 @@ from kvscale.worker.server.tool_calls import (
 from kvscale.worker.server.tool_calls import finish_reason as tool_finish_reason
 from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
 from kvscale.worker.structured_output.compile_pool import PoolFull
-from kvscale.worker.structured_output.manager import GrammarCompileTimeout, GrammarHandle
+from kvscale.worker.structured_output.manager import GrammarHandle
+from kvscale.worker.structured_output.request import GrammarCompileTimeout
 
 logger = logging.getLogger("kvscale.worker.requests")
 

@@ -31,10 +31,6 @@ from kvscale.worker.structured_output.request import StructuredOutputRequest
 DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
-class GrammarCompileTimeout(TimeoutError):
-    """A request's grammar did not compile within its deadline (the compile itself runs on)."""
-
-
 @dataclass
 class _Entry:
     future: Future
@@ -117,7 +113,11 @@ class StructuredOutputManager:
         return GrammarHandle(key, entry.future, lambda: self._release(key, entry))
 
     def init_request(
-        self, params: StructuredOutputsParams, future: Future | None = None, parsed: object = None
+        self,
+        params: StructuredOutputsParams,
+        future: Future | None = None,
+        parsed: object = None,
+        deadline: float | None = None,
     ) -> StructuredOutputRequest:
         """A sequence's state: its grammar's compile (`future`, from prepare or an earlier call), else
         taken from the cache or queued (`parsed`: the constraint already parsed by the caller, so it
@@ -125,7 +125,7 @@ class StructuredOutputManager:
         if future is None:
             submit = lambda: self.pool.submit(lambda: self._compile(params, parsed), bounded=False)  # noqa: E731
             future = self._entry(params.key, submit).future
-        return StructuredOutputRequest(params, future, self.backend.new_matcher)
+        return StructuredOutputRequest(params, future, self.backend.new_matcher, deadline)
 
     def is_cached(self, params: StructuredOutputsParams) -> bool:
         """A compile of this constraint is cached or in flight (and has not failed)."""
