@@ -224,7 +224,7 @@ async def attack(base: str, pid: int, args) -> dict[str, Any]:
 def loop_stalls(log_path: Path, top: int = 5) -> dict[str, Any]:
     """The server's "event loop stalled" records (worker/server/loop_watchdog.py): how many, the
     longest, and the `top` longest with the innermost frames of what held the loop."""
-    stalls = []
+    stalls, pauses = [], []
     for line in log_path.read_text(errors="replace").splitlines():
         try:
             entry = json.loads(line)
@@ -232,12 +232,17 @@ def loop_stalls(log_path: Path, top: int = 5) -> dict[str, Any]:
             continue
         if isinstance(entry, dict) and entry.get("msg") == "event loop stalled":
             stalls.append(entry)
+        if isinstance(entry, dict) and entry.get("msg") == "garbage collection paused every thread":
+            pauses.append(entry)
     stalls.sort(key=lambda e: -e["stall_s"])
     return {
+        "gc_pauses": [
+            {k: e.get(k) for k in ("pause_s", "generation", "collected", "thread")} for e in pauses
+        ],
         "count": len(stalls),
         "max_s": stalls[0]["stall_s"] if stalls else 0.0,
         "longest": [
-            {k: e[k] for k in ("stall_s", "sampled_after_s", "in_gc")}
+            {k: e.get(k) for k in ("stall_s", "sampled_after_s", "in_gc", "threads")}
             | {"stack": e["stack"].strip().splitlines()[-4:]}
             for e in stalls[:top]
         ],

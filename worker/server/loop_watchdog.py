@@ -44,15 +44,32 @@ class LoopWatchdog:
             registry=registry,
         )
         self.recent: list[tuple[float, list[str], bool]] = []  # (seconds, stack, in gc), last 32
+        self.last_others: dict[str, str] = {}  # the other threads at the last stall
         self._beat = time.monotonic()
         self._loop_thread: int | None = None
         self._stop = threading.Event()
         self._in_gc = False
+        self._gc_started = 0.0
         self._task: asyncio.Task | None = None
         self._thread: threading.Thread | None = None
 
     def _on_gc(self, phase: str, info: dict) -> None:
-        self._in_gc = phase == "start"
+        now = time.perf_counter()
+        if phase == "start":
+            self._in_gc, self._gc_started = True, now
+            return
+        self._in_gc = False
+        paused = now - self._gc_started
+        if paused > self.threshold_s:  # every thread waited this long: the collector holds the GIL
+            logger.warning(
+                "garbage collection paused every thread",
+                extra={
+                    "pause_s": round(paused, 3),
+                    "generation": info.get("generation"),
+                    "collected": info.get("collected"),
+                    "thread": threading.current_thread().name,
+                },
+            )
 
     async def _heartbeat(self) -> None:
         while True:
@@ -82,15 +99,20 @@ class LoopWatchdog:
             beat = self._beat
             if time.monotonic() - beat <= self.threshold_s:
                 continue
-            frame = sys._current_frames().get(self._loop_thread)  # waits for the GIL
+            frames = sys._current_frames()  # waits for the GIL
             sampled_after = time.monotonic() - beat
+            frame = frames.get(self._loop_thread)
             stack = traceback.format_stack(frame, limit=STACK_DEPTH) if frame is not None else []
+            # A loop found waiting (in its selector) was kept from the GIL by another thread:
+            # where the others are, as they just gave it up, says which.
+            others = _innermost(frames, exclude={self._loop_thread, threading.get_ident()})
             in_gc = self._in_gc
             while self._beat == beat and not self._stop.wait(self.interval_s / 2):
                 pass
             held = self._beat - beat - self.interval_s  # the heartbeat's own sleep is no stall
             self.stalls.observe(held)
             self.recent = [*self.recent, (held, stack, in_gc)][-32:]
+            self.last_others = others
             logger.warning(
                 "event loop stalled",
                 extra={
@@ -98,5 +120,19 @@ class LoopWatchdog:
                     "sampled_after_s": round(sampled_after, 3),
                     "in_gc": in_gc,
                     "stack": "".join(stack[-8:]),
+                    "threads": others,
                 },
             )
+
+
+def _innermost(frames: dict, exclude: set[int]) -> dict[str, str]:
+    """Each other thread's innermost frame ("file:line in function"), by thread name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = {}
+    for ident, frame in frames.items():
+        if ident in exclude:
+            continue
+        code = frame.f_code
+        where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        out[f"{names.get(ident, 'thread')}-{ident}"] = where
+    return out
