@@ -18,6 +18,9 @@ all on the GPU at hand. Prints one JSON object.
    `engine.step()` calls once the prefill is done) at batch 1 and 64: CUDA graphs on, CUDA graphs
    off, and CUDA graphs on with async scheduling (the host's part of a step hidden behind the
    device's), with the ratios graphs off / on and async off / on per batch.
+5. Cold start: three fresh processes each build the engine on the same model and take one token:
+   the first with empty Triton and inductor caches, the others with the caches it left (a pod
+   with a shared compile-cache volume).
 """
 
 from __future__ import annotations
@@ -658,8 +661,59 @@ def decode_steps() -> dict:
     return result
 
 
+# -- cold start ----------------------------------------------------------------------------------
+# One fresh process per run, so that nothing of this process (its CUDA context, Triton's in-memory
+# kernel cache) is reused: what a new worker pod pays before its first token. The first run gets
+# empty Triton and inductor cache folders; the later runs reuse the folders the first one filled,
+# which is what a compile-cache volume shared by the replicas gives a pod (issue 29).
+COLD_START_CHILD = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+from kvscale.worker import LLM, SamplingParams
+imported = time.perf_counter()
+path, device, max_model_len, kv_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(path, dtype="bfloat16", device=device, max_num_seqs=64, max_model_len=max_model_len,
+          kv_cache_memory_bytes=kv_bytes, attention_backend="auto" if device == "cuda" else "triton",
+          enforce_eager=False)
+ready = time.perf_counter()
+llm.generate([[0, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+if device == "cuda":
+    torch.cuda.synchronize()
+first = time.perf_counter()
+print(json.dumps({"import_s": imported - start, "engine_ready_s": ready - imported,
+                  "first_token_s": first - ready, "total_s": first - start}))
+"""
+
+
+def cold_start() -> dict:
+    import subprocess
+
+    path, model_info = random_llama()
+    kv_bytes = 8 * 2**30 if DEVICE == "cuda" else 2**26
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="kvscale-caches-") as caches:
+        env = {
+            **os.environ,
+            "TRITON_CACHE_DIR": os.path.join(caches, "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+        }
+        for run in ("cold_caches", "warm_caches", "warm_caches_again"):
+            log(f"cold start: {run}")
+            args = [sys.executable, "-c", COLD_START_CHILD, str(path), DEVICE,
+                    str(SIZES["max_model_len"]), str(kv_bytes)]  # fmt: skip
+            wall = time.perf_counter()
+            done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+            wall = time.perf_counter() - wall
+            if done.returncode != 0:
+                raise RuntimeError(f"{run}: exit {done.returncode}: {done.stderr[-2000:]}")
+            runs.append({"run": run, "process_wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])})
+    return {"model": model_info, "runs": runs, "warm_over_cold_engine_ready": (
+        runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"])}
+
+
 # -- main -----------------------------------------------------------------------------------------
-SECTIONS = ("correctness", "kernels", "end_to_end", "decode_steps")
+SECTIONS = ("correctness", "kernels", "end_to_end", "decode_steps", "cold_start")
 
 
 def _section(report: dict, name: str, fn: Callable[[], object]) -> None:
@@ -701,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sections = [n for n in SECTIONS if n in args.sections]
     if args.skip_e2e:
-        sections = [n for n in sections if n not in ("end_to_end", "decode_steps")]
+        sections = [n for n in sections if n not in ("end_to_end", "decode_steps", "cold_start")]
     if args.smoke:
         SIZES = SMOKE_SIZES
     if not torch.cuda.is_available():
@@ -738,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": lambda: time_kernels(copy_bw),
             "end_to_end": end_to_end,
             "decode_steps": decode_steps,
+            "cold_start": cold_start,
         }
         for name in sections:
             _section(report, name, run[name])
