@@ -86,7 +86,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_position, tp)
     model.tie_weights()
-    _allocate_parameters(model, device, dtype)
+    allocate_parameters(model, device, dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _safetensors_files(model_path)
@@ -116,7 +116,7 @@ def load_model(
     return model
 
 
-def _allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Replace every meta parameter by an uninitialised one of the serving dtype on the device
     (`to_empty` would allocate the default dtype first, and untie tied weights)."""
     allocated: dict[int, torch.nn.Parameter] = {}
