@@ -88,7 +88,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         outputs = llm.generate(prompts, params)
     finally:
-        llm.engine.shutdown()  # stops the tensor-parallel ranks, if any
+        # Stops the tensor-parallel ranks, if any. A compile still building behind is left to finish
+        # (its own session): this run served eagerly, the next one loads what it builds.
+        llm.engine.shutdown(keep_compiling=True)
+    compiler = llm.engine.runner.compiler
+    if compiler is not None and not compiler.done.is_set():
+        print(
+            f"the compiled forward is still being built in the background (pid {compiler.process.pid}); "
+            "this run used the eager forward, the next one loads the compiled one",
+            file=sys.stderr,
+        )
     elapsed = time.monotonic() - loaded
     for out in outputs:
         completion = out.outputs[0]
@@ -99,6 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "requests": len(outputs),
         "output_tokens": num_tokens,
         "load_s": round(loaded - started, 2),
+        "forward": llm.engine.runner.forward_kind,
         "generate_s": round(elapsed, 3),
         "output_tokens_per_s": round(num_tokens / elapsed, 1),
         "mean_ttft_s": round(
@@ -147,6 +157,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     if args.nice:
         os.nice(args.nice)
+
+    def say(message: str) -> None:
+        """Progress to stdout; if the reader has gone (a generate that finished first), the build
+        goes on silently so that its package still lands in the cache."""
+        try:
+            print(message, flush=True)
+        except OSError:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+            sys.stderr = sys.stdout
+
     model = resolve_model(args.model)
     cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
     started = time.monotonic()
@@ -156,10 +176,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         args.block_size,
         cache_dir,
         force=args.force,
-        progress=lambda m: print(m, flush=True),
+        progress=say,
     )
     seconds = time.monotonic() - started
-    print(f"{'compiled' if built else 'found'} in {seconds:.1f} s, package: {folder}", flush=True)
+    say(f"{'compiled' if built else 'found'} in {seconds:.1f} s, package: {folder}")
     return 0
 
 

@@ -42,6 +42,7 @@ class BackgroundCompile:
         self.seconds: float | None = None  # start of the build to loaded
         self.error: str | None = None
         self.done = threading.Event()
+        self.on_done = None  # called (from the waiting thread) once done is set: wakes an idle engine
         env = dict(os.environ)
         # One g++ at a time, and no pool of compile workers to start (each a Python process): the
         # build is one .so per graph, and it is meant to take the cores serving leaves over.
@@ -73,6 +74,8 @@ class BackgroundCompile:
             logger.warning("the compiled forward could not be built; the forward stays eager: %s", e)
         finally:
             self.done.set()
+            if self.on_done is not None:
+                self.on_done()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

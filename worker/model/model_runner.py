@@ -228,15 +228,15 @@ class ModelRunner:
         self.compiler = BackgroundCompile(command, self._load_package)
         if not args.compile_in_background:
             self.compiler.wait()
-            self._maybe_switch()
+            self.maybe_switch()
             self.compile_seconds = self.compiler_seconds
 
     def _load_package(self, folder: Path) -> CompiledForward:
         return CompiledForward(self.model, load_package(folder, self.model, self.dtype, self.block_size))
 
-    def _maybe_switch(self) -> None:
+    def maybe_switch(self) -> None:
         """Install the compiled forward built behind, if it is ready: called by the engine thread
-        before a forward, so that a step runs one forward from its start to its end."""
+        before a forward (and while idle), so that a step runs one forward from its start to its end."""
         compiler = self.compiler
         if compiler is None or not compiler.done.is_set():
             return
@@ -247,6 +247,11 @@ class ModelRunner:
         self.compiler_seconds = compiler.seconds
         self.switched_at = time.monotonic()
         logger.info("compiled the forward in %.1f s; steps switch to it", compiler.seconds)
+
+    @property
+    def forward_kind(self) -> str:
+        """Which forward the next step runs: compiled or eager."""
+        return "eager" if getattr(self.model, "compiled", None) is None else "compiled"
 
     def stop_compile(self) -> None:
         """End a build still running (the worker is going away)."""
@@ -316,7 +321,7 @@ class ModelRunner:
         tensor-parallel group the other ranks get the same inputs first and run the same forward
         (never with a token_fill: async scheduling is off under tensor parallelism)."""
         if self.compiler is not None:
-            self._maybe_switch()
+            self.maybe_switch()
         if self.tp is not None:
             assert token_fill is None, "the ranks have no device copy of the pending tokens"
             broadcast_step(self.tp, (chunks, num_logits))
