@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from kvscale.worker.model.llama import LlamaForCausalLM
+from kvscale.worker.model.mapped_reader import LoadProgress, read_mapped
 from kvscale.worker.sample.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,42 +78,51 @@ def load_model(
     model_path: str, hf_config, max_position: int, device: torch.device, dtype: torch.dtype, tp=None
 ):
     """Build the decoder on the meta device, allocate its parameters at the serving dtype, then fill
-    them tensor by tensor from the checkpoint. Each checkpoint tensor is read into host memory on
-    its own and cast there, so neither the device nor the host ever holds more than the served
-    weights plus one checkpoint tensor (a float32 checkpoint served in bfloat16 is never
-    materialised in float32, in full or on the device). Under tensor parallelism (tp) a rank
-    reads only its own slice of each tensor from the files (iter_safetensors_shards)."""
+    them from the checkpoint. Each file is memory-mapped and its tensors are copied, several threads
+    at a time, straight from the map into their parameters, cast on the way (mapped_reader.py): no
+    staging buffer, and neither the device nor the host ever holds a wider dtype than it serves (a
+    float32 checkpoint served in bfloat16 is never materialised in float32). Under tensor
+    parallelism (tp) a rank reads only its own slice of each tensor (iter_safetensors_shards)."""
     started = time.monotonic()
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_position, tp)
     model.tie_weights()
     allocate_parameters(model, device, dtype)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
     files = _safetensors_files(model_path)
-    total_bytes, done_bytes, next_report = sum(p.stat().st_size for p in files), 0, 0.1
-    tensors = iter_safetensors(files) if tp is None else iter_safetensors_shards(files, model)
-    for n, name, tensor in tensors:
-        target = _load_one(model, params, name, tensor)
-        if target:
-            loaded.add(target)
-        done_bytes += tensor.numel() * tensor.element_size()
-        if done_bytes >= next_report * total_bytes:  # progress every 10% for big checkpoints
-            logger.info(
-                "loading weights: %d%% (file %d/%d, %s)",
-                100 * done_bytes // total_bytes,
-                n + 1,
-                len(files),
-                files[n].name,
-            )
-            next_report = (int(10 * done_bytes / total_bytes) + 1) / 10
+    progress = LoadProgress(f"loading weights ({len(files)} file{'s' * (len(files) > 1)})")
+    if tp is None:
+        headers = [read_safetensors_header(path) for path in files]
+        targets = read_mapped(
+            files,
+            headers,
+            SAFETENSORS_DTYPES,
+            lambda name, t: _load_one(model, params, name, t),
+            progress=progress,
+        )
+    else:
+        targets, done, total = [], 0, sum(p.stat().st_size for p in files)
+        for _, name, tensor in iter_safetensors_shards(files, model):
+            targets.append(_load_one(model, params, name, tensor))
+            done += tensor.numel() * tensor.element_size()
+            progress(done, total)
+    loaded = {t for t in targets if t}
 
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights for: {', '.join(missing[:8])}")
     model.init_rope(device)
     model.eval()
-    logger.info("model loaded in %.1fs (%s, %s)", time.monotonic() - started, device, dtype)
+    seconds = time.monotonic() - started
+    size = sum(p.stat().st_size for p in files)
+    logger.info(
+        "model loaded in %.1fs (%s, %s; %.2f GB at %.2f GB/s)",
+        seconds,
+        device,
+        dtype,
+        size / 1e9,
+        size / 1e9 / seconds,
+    )
     return model
 
 
@@ -156,7 +166,7 @@ def read_safetensors_header(path: Path) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
-def iter_safetensors(files: list[Path]):
+def iter_safetensors(files: list[Path]):  # the reader before mapped_reader.py: bench load compares
     """(file index, name, CPU tensor) for every tensor of the files, in file order. Plain reads into
     one staging buffer sized for the largest tensor: unlike a memory map, the files' pages never
     count as this process' memory, and one buffer reused throughout leaves nothing behind. Each
