@@ -9,6 +9,7 @@ import sys
 
 from kvscale.worker.bench import (
     broadcast,
+    coldstart,
     hostile,
     load,
     longout,
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     steps.add_parser(sub, [common])
     hostile.add_parser(sub, [common])
     load.add_parser(sub, [common])
+    coldstart.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

@@ -1,0 +1,96 @@
+"""Cold start: from a fresh process to serving, and to compiled steps (issue 29).
+
+    python -m kvscale.worker.bench coldstart --model ../shared/models/tiny-code-target --json
+
+Each run is a new Python process that builds the engine (`LLM`) at --threads torch threads and
+takes one token a step until its steps run the compiled forward. Reported per mode: seconds from
+the process' start to the engine built (what /ready waits for) and to the first compiled step.
+Modes: `package` (the compile cache holds this model's AOTInductor package: it is loaded at
+start) and `cold` (an empty compile cache: eager steps while `kvscale-worker compile` builds the
+package behind at --nice).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+from kvscale.worker import LLM, SamplingParams
+llm = LLM(sys.argv[1], enforce_eager=False, compile_cache_dir=sys.argv[2], compile_nice=int(sys.argv[4]),
+          num_kv_blocks=256)
+ready = time.time()
+engine = llm.engine
+engine.add_request([0, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True))
+eager_steps = 0
+while True:
+    engine.step()
+    kinds = [k for k, _ in engine.take_stats().step_times]
+    if "compiled" in kinds:
+        break
+    eager_steps += len(kinds)
+    if engine.runner.compiler is None and engine.runner.forward_kind == "eager":
+        raise SystemExit("the compiled forward was not built")
+print(json.dumps({"ready": ready, "compiled": time.time(), "eager_steps": eager_steps}))
+"""
+
+
+def add_parser(sub, parents) -> None:
+    p = sub.add_parser("coldstart", parents=parents, help="process start to Ready and to compiled steps")
+    p.add_argument("--model", required=True)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--nice", type=int, default=10, help="the build's niceness in `cold` runs")
+    p.add_argument("--modes", default="package,cold")
+    p.set_defaults(func=run)
+
+
+def one_run(model: str, cache: Path, threads: int, nice: int) -> dict[str, float]:
+    started = time.time()
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, str(cache), str(threads), str(nice)],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "to_ready_s": round(out["ready"] - started, 2),
+        "to_compiled_s": round(out["compiled"] - started, 2),
+        "eager_steps": out["eager_steps"],
+    }
+
+
+def run(args) -> dict[str, Any]:
+    result: dict[str, Any] = {"model": args.model, "threads": args.threads, "nice": args.nice, "modes": {}}
+    scratch = Path(tempfile.mkdtemp(prefix="kvscale-coldstart-"))
+    try:
+        filled = scratch / "filled"
+        for mode in args.modes.split(","):
+            runs = []
+            for i in range(args.runs):
+                if mode == "cold":
+                    cache = scratch / f"cold-{i}"
+                else:
+                    cache = filled
+                    if not filled.exists():  # built once, outside the timed runs
+                        one_run(args.model, filled, args.threads, 0)
+                runs.append(one_run(args.model, cache, args.threads, args.nice))
+            result["modes"][mode] = {
+                "runs": runs,
+                "median_to_ready_s": statistics.median(r["to_ready_s"] for r in runs),
+                "median_to_compiled_s": statistics.median(r["to_compiled_s"] for r in runs),
+            }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
