@@ -3,8 +3,10 @@
     python -m kvscale.worker.bench coldstart --model ../shared/models/tiny-code-target --json
 
 Each run is a new Python process that builds the engine (`LLM`) at --threads torch threads and
-takes one token a step until its steps run the compiled forward. Reported per mode: seconds from
-the process' start to the engine built (what /ready waits for) and to the first compiled step.
+takes one token a step until 200 steps ran the compiled forward. Reported per mode: seconds from
+the process' start to the engine built (what /ready waits for) and to the first compiled step,
+and the median step of each forward (eager ones ran while the build took the cores it could get:
+--nice decides how many).
 Modes: `package` (the compile cache holds this model's AOTInductor package: it is loaded at
 start) and `cold` (an empty compile cache: eager steps while `kvscale-worker compile` builds the
 package behind at --nice).
@@ -32,16 +34,18 @@ llm = LLM(sys.argv[1], enforce_eager=False, compile_cache_dir=sys.argv[2], compi
 ready = time.time()
 engine = llm.engine
 engine.add_request([0, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True))
-eager_steps = 0
-while True:
+eager, compiled = [], []
+while len(compiled) < 200:
     engine.step()
-    kinds = [k for k, _ in engine.take_stats().step_times]
-    if "compiled" in kinds:
-        break
-    eager_steps += len(kinds)
-    if engine.runner.compiler is None and engine.runner.forward_kind == "eager":
+    for kind, seconds in engine.take_stats().step_times:
+        (compiled if kind == "compiled" else eager).append(seconds)
+    if len(compiled) == 1:
+        at = time.time()
+    if not compiled and engine.runner.compiler is None and engine.runner.forward_kind == "eager":
         raise SystemExit("the compiled forward was not built")
-print(json.dumps({"ready": ready, "compiled": time.time(), "eager_steps": eager_steps}))
+ms = lambda xs: round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else None
+print(json.dumps({"ready": ready, "compiled": at, "eager_steps": len(eager), "eager_step_ms": ms(eager),
+                  "compiled_step_ms": ms(compiled)}))
 """
 
 
@@ -67,7 +71,10 @@ def one_run(model: str, cache: Path, threads: int, nice: int) -> dict[str, float
     return {
         "to_ready_s": round(out["ready"] - started, 2),
         "to_compiled_s": round(out["compiled"] - started, 2),
+        # One stream's decode steps: their median while the build runs behind, and once compiled.
         "eager_steps": out["eager_steps"],
+        "eager_step_ms": out["eager_step_ms"],
+        "compiled_step_ms": out["compiled_step_ms"],
     }
 
 
