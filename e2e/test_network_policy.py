@@ -47,8 +47,10 @@ try:
 except urllib.error.HTTPError as e:
     print(e.code)
 except urllib.error.URLError as e:
+    print(type(e.reason).__name__, getattr(e.reason, "errno", ""), file=sys.stderr)
     print(type(e.reason).__name__)
 except Exception as e:
+    print(type(e).__name__, e, file=sys.stderr)
     print(type(e).__name__)
 """
 
@@ -59,6 +61,11 @@ def enforcer(operator):  # noqa: F811
     if shutil.which("ipset", path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
         pytest.skip("kube-router needs the Debian package ipset")
     node = operator.node
+    if node.stack.ipv6:
+        # Seen on the IPv6-first node: every sync aborts with `ip6tables-restore: Set
+        # KUBE-DST-... doesn't exist` (its ip6tables rules name the IPv4 sets, its IPv6 sets are
+        # `inet6:KUBE-DST-...`), so nothing of IPv6 is enforced. docs/operator.md#networkpolicies
+        pytest.skip("kube-router v2.1.0 cannot sync IPv6 policies (ip6tables rules name IPv4 sets)")
     mark = len(node.ledger.entries)
     started = time.monotonic()
     kube_router.start(
@@ -104,6 +111,7 @@ def probe(cluster, pod: str, ns: str, target: str, body: dict | None = None, tim
     out = cluster.kubectl(
         "exec", "-n", ns, pod, "--", "python", "-c", PROBE, target, payload, str(timeout), check=False
     )  # fmt: skip
+    print(json.dumps({"probe": f"{pod} -> {target}", "stdout": out.stdout, "stderr": out.stderr[-300:]}))
     lines = (out.stdout.strip() or out.stderr.strip()).splitlines()
     return lines[-1] if lines else ""
 
