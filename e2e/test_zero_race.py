@@ -23,7 +23,6 @@ import threading
 import time
 
 from kubernetes import client
-from test_controlplane import wait_for
 from test_operator import apply, example, namespace, operator  # noqa: F401 (fixtures)
 from test_router import complete, wait_router
 
@@ -47,7 +46,7 @@ class ReplicaWatch:
         while not self._stop.is_set():
             try:
                 replicas = apps.read_namespaced_deployment(name, ns, _request_timeout=5).spec.replicas
-            except Exception:  # noqa: BLE001 (a missed poll is only a coarser timestamp)
+            except Exception:
                 replicas = last
             if replicas == 0 and last not in (0, None):
                 self.zeros.append(time.monotonic())
