@@ -31,6 +31,7 @@ import kube_router
 import pytest
 from images import ROUTER_IMAGE
 from kubernetes import client
+from realnode import NODE_NAME
 from test_controlplane import wait_for
 from test_operator import apply, example, namespace, operator  # noqa: F401 (fixtures)
 from test_router import router_ip, wait_router, worker_pods
@@ -69,7 +70,7 @@ def enforcer(operator):  # noqa: F811
     mark = len(node.ledger.entries)
     started = time.monotonic()
     kube_router.start(
-        node.ledger, operator.kubeconfig, "kvscale-node", list(node.stack.service_cidrs), node.log_dir
+        node.ledger, operator.kubeconfig, NODE_NAME, list(node.stack.service_cidrs), node.log_dir
     )
     print(json.dumps({"kube_router_start_s": round(time.monotonic() - started, 1)}))
     try:
