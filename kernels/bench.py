@@ -707,9 +707,10 @@ def cold_start() -> dict:
             wall = time.perf_counter() - wall
             if done.returncode != 0:
                 raise RuntimeError(f"{run}: exit {done.returncode}: {done.stderr[-2000:]}")
-            runs.append({"run": run, "process_wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])})
-    return {"model": model_info, "runs": runs, "warm_over_cold_engine_ready": (
-        runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"])}
+            child = json.loads(done.stdout.strip().splitlines()[-1])
+            runs.append({"run": run, "process_wall_s": wall, **child})
+    warm_over_cold = runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"]
+    return {"model": model_info, "runs": runs, "warm_over_cold_engine_ready": warm_over_cold}
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -759,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         SIZES = SMOKE_SIZES
     if not torch.cuda.is_available():
-        from kvscale.kernels import triton_interpreting
+        from kvscale.kernels.dispatch import triton_interpreting
 
         if not (args.smoke and triton_interpreting()):
             error = (

@@ -17,8 +17,8 @@ import pytest
 import torch
 from test_engine_vs_hf import assert_greedy_matches, hf_greedy
 
-from kvscale.kernels import paged_decode_attention, write_kv_cache
-from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
+from kvscale.kernels.kv_cache import write_kv_cache
+from kvscale.kernels.paged_attention import paged_decode_attention, paged_decode_attention_unwritten
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.model import model_runner
 from kvscale.worker.model.aot_package import KEY_FILE, refusal, required_cpu_flags
