@@ -220,6 +220,7 @@ def test_greedy_tokens_match_transformers_across_the_switch(
     folder = next(p for p in package_cache.iterdir() if (p / KEY_FILE).is_file())
     gate = tmp_path / "gate"
     monkeypatch.setattr(model_runner, "compile_command", lambda *a: gated_compile(folder, gate))
+    threads = torch.get_num_threads()
     llm = LLM(
         target_model,
         enforce_eager=False,
@@ -229,6 +230,8 @@ def test_greedy_tokens_match_transformers_across_the_switch(
     )
     engine = llm.engine
     assert engine.runner.model.compiled is None and engine.runner.compiler is not None
+    # While it builds, serving leaves it a core (compile_reserve_core); the switch gives it back.
+    assert torch.get_num_threads() == max(1, threads - 1)
     prompts = [[0, *range(40 + 5 * i, 60 + 9 * i)] for i in range(3)] + [[0, *([7, 8, 9, 10] * 6)]]
     max_new = [90, 120, 70, 110]
     ids = [
@@ -254,6 +257,7 @@ def test_greedy_tokens_match_transformers_across_the_switch(
         assert len(tokens[i]) == len(want)
     assert engine.runner.model.compiled.eager_fallbacks == 0
     assert engine.runner.switched_at is not None and engine.take_stats().forward == "compiled"
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("sliding_window", [None, 40])

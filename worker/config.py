@@ -44,9 +44,12 @@ class EngineArgs:
     # The compiled CPU forward's packages (model/aot_package.py): where they are kept (default
     # $KVSCALE_COMPILE_CACHE, else ~/.cache/kvscale/compiled), whether the worker serves eagerly
     # while one is built (off: start-up waits for it), and the build's niceness (0-19; docs/engine.md).
+    # compile_reserve_core: while it is built, serving runs torch on one thread fewer, leaving the
+    # build a core of its own (an OpenMP team whose threads share cores with it stalls at every op).
     compile_cache_dir: str | None = None
     compile_in_background: bool = True
     compile_nice: int = 10
+    compile_reserve_core: bool = True
     # Schedule and launch each step before the previous one's tokens reach the host, so the host's
     # work hides behind the device's (vLLM's --async-scheduling; docs/engine.md). For GPUs: on a
     # CPU the forward holds the cores itself and nothing overlaps.

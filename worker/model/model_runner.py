@@ -194,6 +194,7 @@ class ModelRunner:
         self.compiler: BackgroundCompile | None = None
         self.switched_at: float | None = None  # time.monotonic() of the switch to compiled steps
         self.compiler_seconds: float | None = None  # the build behind's seconds, once installed
+        self._serving_threads: int | None = None  # torch's threads, while the build has one core
         self._maybe_compile(args)
 
     def _maybe_compile(self, args: EngineArgs) -> None:
@@ -226,6 +227,9 @@ class ModelRunner:
             "nice %d, into %s; later starts load it)", args.compile_nice, cache_dir,
         )  # fmt: skip
         self.compiler = BackgroundCompile(command, self._load_package)
+        if args.compile_reserve_core and args.compile_in_background and torch.get_num_threads() > 1:
+            self._serving_threads = torch.get_num_threads()  # given back by maybe_switch
+            torch.set_num_threads(self._serving_threads - 1)
         if not args.compile_in_background:
             self.compiler.wait()
             self.maybe_switch()
@@ -241,6 +245,9 @@ class ModelRunner:
         if compiler is None or not compiler.done.is_set():
             return
         self.compiler = None
+        if self._serving_threads is not None:  # the build's core comes back to serving
+            torch.set_num_threads(self._serving_threads)
+            self._serving_threads = None
         if compiler.result is None:
             return  # the build failed (logged): the forward stays eager
         self.model.compiled = compiler.result
