@@ -34,9 +34,10 @@ llm = LLM(sys.argv[1], enforce_eager=sys.argv[6] == "eager", compile_cache_dir=s
           compile_nice=int(sys.argv[4]), compile_reserve_core=sys.argv[5] == "1", num_kv_blocks=256)
 ready = time.time()
 engine = llm.engine
-engine.add_request([0, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True))
 eager, compiled = [], []
 while len(compiled) < 200:
+    if not engine.has_unfinished_requests():  # one stream, for as long as it takes
+        engine.add_request([0, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
     engine.step()
     for kind, seconds in engine.take_stats().step_times:
         (compiled if kind == "compiled" else eager).append(seconds)
