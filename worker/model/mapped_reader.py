@@ -95,6 +95,9 @@ def read_mapped(
                 mm.close()
 
 
+MIN_REPORTED_BYTES = 256 << 20  # smaller checkpoints load in well under a second: no progress lines
+
+
 class LoadProgress:
     """Logs every 10% of the bytes, with the rate so far."""
 
@@ -104,7 +107,7 @@ class LoadProgress:
         self.next = 0.1
 
     def __call__(self, done: int, total: int) -> None:
-        if total and done >= self.next * total:
+        if total >= MIN_REPORTED_BYTES and done >= self.next * total:
             elapsed = max(time.monotonic() - self.started, 1e-9)
             logger.info(
                 "%s: %d%% (%.2f of %.2f GB, %.2f GB/s)",
