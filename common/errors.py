@@ -1,5 +1,5 @@
 """The error shape of OpenAI's API. A module of its own, with no dependency beyond the standard
-library: the router (kvscale.operator.router) answers in the same shape and its image carries
+library: the router (kvscale.router) answers in the same shape and its image carries
 none of the worker's dependencies."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from kvscale.worker.server.errors import APIError
+from kvscale.common.errors import APIError
 
 MAX_BODY_BYTES = 16 * 2**20  # aiohttp's client_max_size: no body is ever read past it
 

@@ -145,8 +145,8 @@ def test_router_image_starts_without_torch_and_answers_its_probes(images):
     rt, built = images
     image, port = built.images["router"], _free_port()
     check = (
-        "import importlib, pkgutil, sys, kvscale.operator.router as r\n"
-        "mods = [m.name for m in pkgutil.walk_packages(r.__path__, 'kvscale.operator.router.')]\n"
+        "import importlib, pkgutil, sys, kvscale.router as r\n"
+        "mods = [m.name for m in pkgutil.walk_packages(r.__path__, 'kvscale.router.')]\n"
         "[importlib.import_module(m) for m in mods]\n"
         "assert 'torch' not in sys.modules\n"
     )

@@ -40,6 +40,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from kvscale.common.capped_body import TooLarge, read_capped
 from kvscale.operator import access, leaderworkerset, metrics
 from kvscale.operator.autoscaling import (
     STARTUP_SLACK_S,
@@ -53,7 +54,6 @@ from kvscale.operator.autoscaling import (
     Sample,
     confirms_idle,
 )
-from kvscale.operator.capped_body import TooLarge, read_capped
 from kvscale.operator.children import (
     AUTOSCALER_MANAGER,
     LWS_WORKER_INDEX,
@@ -111,7 +111,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-# The router's own families (operator/router/server.py), summed over models.
+# The router's own families (router/server.py), summed over models.
 ROUTER_METRICS = {
     "queued": "kvscale_router_queued_requests",
     "in_flight": "kvscale_router_in_flight_requests",

@@ -40,13 +40,13 @@ not grow when saturated workers slow down and hold their blocks longer or drain 
 projection does not feed on the overload it is meant to prevent. Workers without the counters
 fall back to the KV demand's own trend.
 
-The router in front of the workers (operator/router/) sees demand first: its arrivals counter
+The router in front of the workers (router/) sees demand first: its arrivals counter
 is the arrival signal when it was read (it counts requests no worker has seen yet; the workers'
 count where they see more, from clients that bypass it), and the
 requests held in its queue are waiting requests like the workers' own (no worker reports them).
 With minReplicas 0, a resource idle for `scale_to_zero_after_s` (nothing arrived, nothing
 queued at the router or a worker, nothing running) goes to zero; at zero the autoscaler holds
-and the router asks for the first worker when a request arrives (operator/router/wake.py), so
+and the router asks for the first worker when a request arrives (router/wake.py), so
 that one write is the only scale-up from zero. A trend counts only when it is significant: its slope
 must clear `trend_t` standard errors, the error taken from the scatter of the points around the
 line but never under the Poisson noise of the counts, so a flat load's noise adds no workers.

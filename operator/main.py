@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
 
-    from kvscale.worker.server.json_logging import configure_logging
+    from kvscale.common.json_logging import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     return args.func(args)

@@ -22,18 +22,18 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvscale.operator.router.auth import KeyFile
-from kvscale.operator.router.endpoints import (
+from kvscale.router.auth import KeyFile
+from kvscale.router.endpoints import (
     READ_GRACE_S,
     WATCH_TIMEOUT_S,
     SliceWatcher,
     StaticEndpoints,
 )
-from kvscale.operator.router.picker import PickerConfig, Weights
-from kvscale.operator.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
-from kvscale.operator.router.server import Router, RouterConfig, build_app
-from kvscale.operator.router.state import POLICIES, RouterState
-from kvscale.operator.router.wake import Waker, scale_up_from_zero
+from kvscale.router.picker import PickerConfig, Weights
+from kvscale.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
+from kvscale.router.server import Router, RouterConfig, build_app
+from kvscale.router.state import POLICIES, RouterState
+from kvscale.router.wake import Waker, scale_up_from_zero
 
 logger = logging.getLogger("kvscale.router")
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -206,7 +206,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvscale.worker.server.json_logging import configure_logging
+    from kvscale.common.json_logging import configure_logging
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format)

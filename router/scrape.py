@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvscale.operator.capped_body import TooLarge, read_capped
-from kvscale.operator.router.state import WorkerMetrics
+from kvscale.common.capped_body import TooLarge, read_capped
+from kvscale.router.state import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -28,20 +28,20 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from kvscale.operator.router.auth import KeyFile, client_key
-from kvscale.operator.router.prefix_index import (
+from kvscale.common.errors import APIError
+from kvscale.common.request_body import read_body
+from kvscale.router.auth import KeyFile, client_key
+from kvscale.router.prefix_index import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_MAX_BLOCKS,
     block_hashes,
     chat_prefix_text,
     prompt_prefix_text,
 )
-from kvscale.operator.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
-from kvscale.operator.router.scrape import Scraper
-from kvscale.operator.router.state import RouterState, WorkerMetrics
-from kvscale.operator.router.wake import Waker
-from kvscale.worker.server.errors import APIError
-from kvscale.worker.server.request_body import read_body
+from kvscale.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
+from kvscale.router.scrape import Scraper
+from kvscale.router.state import RouterState, WorkerMetrics
+from kvscale.router.wake import Waker
 
 logger = logging.getLogger(__name__)
 

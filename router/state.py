@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvscale.operator.router.picker import Candidate, PickerConfig, pick, pick_round_robin
-from kvscale.operator.router.prefix_index import PrefixIndex
+from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
+from kvscale.router.prefix_index import PrefixIndex
 
 POLICIES = ("kv-prefix", "round-robin")
 

@@ -24,7 +24,7 @@ served under each policy:
   capacity (static peak's), so the distance to it is what forecasting could still win.
 
 Requests reach the workers through the router's own picking function
-(`kvscale.operator.router.picker.pick`: its filter, bounded-load guard and KV/queue scores; the
+(`kvscale.router.picker.pick`: its filter, bounded-load guard and KV/queue scores; the
 simulated prompts carry no text, so no prefix affinity) and, when no worker can take one, wait in
 a router queue (its 256 bound and 60 s timeout), whose length and arrival count the operator's
 autoscaler reads as it reads the real router's. The `kvscale-round-robin` row is our autoscaler
@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvscale.operator.autoscaling import Autoscaler, Params, PodLoad, PodTiming, RouterLoad, Sample
 from kvscale.operator.models import AutoscalingSpec
-from kvscale.operator.router.picker import Candidate, PickerConfig, pick, pick_round_robin
+from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
 
 # -- the worker model -------------------------------------------------------------------------
 

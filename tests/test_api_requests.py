@@ -1,5 +1,5 @@
 """The requests the InferencePool's calls (operator/inferencepool.py, through handlers) and the
-router's scale-from-zero ask (operator/router/wake.py) send, made by the real kubernetes client
+router's scale-from-zero ask (router/wake.py) send, made by the real kubernetes client
 against a stand-in API server (a local HTTP server that records each request and answers with
 canned objects: tests only)."""
 
@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 
 from kvscale.operator import handlers, inferencepool
-from kvscale.operator.router.wake import scale_up_from_zero
+from kvscale.router.wake import scale_up_from_zero
 
 DISCOVERY = {
     "kind": "APIResourceList",

@@ -417,9 +417,9 @@ def test_the_routers_metrics_are_read_from_its_own_exposition():
     from prometheus_client import generate_latest
 
     from kvscale.operator.autoscaler import parse_router_metrics
-    from kvscale.operator.router.endpoints import StaticEndpoints
-    from kvscale.operator.router.server import Router
-    from kvscale.operator.router.state import RouterState
+    from kvscale.router.endpoints import StaticEndpoints
+    from kvscale.router.server import Router
+    from kvscale.router.state import RouterState
 
     r = Router(RouterState(), StaticEndpoints([]))
     assert parse_router_metrics(generate_latest(r.metrics.registry).decode()) == {

@@ -166,7 +166,7 @@ def test_workers_count_arrivals_as_the_operator_reads_them():
 def test_requests_reach_the_workers_through_the_routers_own_picking_function(monkeypatch):
     """Not a model of the router: its picker, called for every routed request, and its queue seen
     by the autoscaler; the round-robin row calls the round-robin baseline instead."""
-    from kvscale.operator.router import picker
+    from kvscale.router import picker
 
     calls = {"pick": 0, "round-robin": 0}
     monkeypatch.setattr(

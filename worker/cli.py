@@ -17,8 +17,8 @@ import os
 import sys
 import time
 
+from kvscale.common.json_logging import configure_logging
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.server.json_logging import configure_logging
 from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPTS = [

@@ -38,7 +38,7 @@ def rank_main(
     """step_reader: this rank's end of rank 0's shared-memory step ring (a ShmRingReader, attached
     when the process started), or None where steps come over gloo."""
     die_with_parent(parent_pid)
-    from kvscale.worker.server.json_logging import configure_logging
+    from kvscale.common.json_logging import configure_logging
 
     configure_logging(log_level, "json")
     import torch

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvscale.common.request_body import body_limits, longest_token_bytes, parse_body
 from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
 from kvscale.worker.engine.llm_engine import RequestFailedError
@@ -40,7 +41,6 @@ from kvscale.worker.server.protocol import (
     CompletionRequest,
     NamedToolChoice,
 )
-from kvscale.worker.server.request_body import body_limits, longest_token_bytes, parse_body
 from kvscale.worker.server.tool_calls import (
     Extractor,
     NamedFunctionExtractor,
