@@ -43,7 +43,13 @@ def test_operator_image_imports_everything_it_loads_and_starts(images):
         capture=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    for module in ("kvscale.operator.autoscaler", "kvscale.operator.handlers", "kvscale.operator.leader"):
+    for module in (
+        "kvscale.operator.autoscaler.scaler",
+        "kvscale.operator.handlers",
+        "kvscale.operator.kube.leader",
+        "kvscale.operator.reconcile.reconciler",
+        "kvscale.common.json_logging",
+    ):
         assert module in result.stderr
     assert "kind: CustomResourceDefinition" in result.stdout
 

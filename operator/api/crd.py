@@ -15,15 +15,10 @@ from typing import Any
 
 import yaml
 
-from kvscale.operator.models import (
-    GROUP,
-    KIND,
-    NAME_RULE,
-    PLURAL,
-    VERSION,
-    InferenceDeploymentSpec,
-    InferenceDeploymentStatus,
-)
+from kvscale.operator.api.groupversion import GROUP, KIND, PLURAL, VERSION
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.status import InferenceDeploymentStatus
+from kvscale.operator.api.validation import NAME_RULE
 
 SHORT_NAMES = ["infd"]
 # Keys with no place in a structural schema: k8s prunes unknown fields itself (and kubectl's strict
@@ -157,7 +152,7 @@ def crd() -> dict[str, Any]:
 
 
 def crd_yaml() -> str:
-    header = "# Generated from kvscale.operator.models by `kvscale-operator crd`; do not edit by hand.\n"
+    header = "# Generated from kvscale.operator.api by `kvscale-operator crd`; do not edit by hand.\n"
     return header + yaml.dump(crd(), Dumper=_NoAliases, sort_keys=False, width=100)
 
 

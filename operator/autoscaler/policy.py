@@ -2,7 +2,7 @@
 
 Pure: dataclasses in, a dataclass out, no clock and no I/O. `decide` is a pure function of the
 samples; `Autoscaler` is the little state the decisions need (the samples of the windows, each
-pod's measured startup). The operator (operator/autoscaler.py) and the simulator
+pod's measured startup). The operator (operator/autoscaler/scaler.py) and the simulator
 (tests/simulate.py) drive the same `Autoscaler`: `observe` each scrape, then `decide`.
 
 Each scrape of the workers gives two recommendations, computed from the *total* load on the
@@ -140,7 +140,7 @@ class Params:
 
     @classmethod
     def from_spec(cls, spec, startup_budget_s: float = 600.0) -> Params:
-        """From an AutoscalingSpec (operator/models.py) and the spec's startup budget."""
+        """From an AutoscalingSpec (operator/api/) and the spec's startup budget."""
         return cls(
             startup_budget_s=startup_budget_s,
             min_replicas=spec.min_replicas,

@@ -32,7 +32,7 @@ def served(custom: client.CustomObjectsApi, group: str, version: str, plural: st
 
 def ops(api: client.ApiClient, group: str, version: str, plural: str):
     """(read, server-side apply, list in all namespaces, list in one, delete), shaped as the typed
-    clients' methods are (name, namespace, ...), for handlers._ops."""
+    clients' methods are (name, namespace, ...), for Kube.ops."""
     custom = client.CustomObjectsApi(api)
 
     def read(name: str, namespace: str, **kw: Any):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
-from kvscale.operator import custom_api
+from kvscale.operator.kube import custom_api
 
 GROUP, VERSION, PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 

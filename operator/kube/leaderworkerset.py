@@ -12,7 +12,7 @@ from typing import Any
 
 from kubernetes import client
 
-from kvscale.operator import custom_api
+from kvscale.operator.kube import custom_api
 
 GROUP, VERSION, PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 

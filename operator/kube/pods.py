@@ -36,12 +36,13 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
-from kvscale.operator.children import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
-from kvscale.operator.models import KIND
+from kvscale.operator.api.groupversion import KIND
+from kvscale.operator.api.labels import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
+from kvscale.operator.kube.errors import error_kind
 
 logger = logging.getLogger(__name__)
 
-# Every worker pod of every InferenceDeployment (children.selector_labels), selected by the server.
+# Every worker pod of every InferenceDeployment (reconcile/children.selector_labels), selected by the server.
 POD_SELECTOR = f"{LABEL_NAME} in ({WORKER},{ROUTER})"  # the workers and the routers
 WATCH_S = 300  # the server ends each watch after this long; it is then resumed
 RELIST_S = 1800.0
@@ -144,12 +145,12 @@ def feed(
         except ApiException as e:
             version = None  # 410 Gone or another refusal: start over from a LIST
             if e.status != 410:
-                metrics.errored(metrics.error_kind(e))
+                metrics.errored(error_kind(e))
                 logger.warning("watching the worker pods failed: %s %s", e.status, e.reason)
                 stop.wait(retry_s)
         except Exception as e:  # a network error, a timeout: list again after a pause
             version = None
-            metrics.errored(metrics.error_kind(e))
+            metrics.errored(error_kind(e))
             logger.warning("watching the worker pods failed: %s", e)
             stop.wait(retry_s)
 

@@ -4,15 +4,15 @@ The operator applies children with its own rights, not the user's: without a pol
 may edit an InferenceDeployment could have the operator run any image, pre-empt other tenants'
 pods (priorityClassName, a toleration of every taint), pick a RuntimeClass, mount any Secret of
 the namespace or send one as a Bearer token to any URL. The platform team writes a policy (a
-YAML file, normally a ConfigMap in the operator's namespace mounted at POLICY_PATH;
+YAML file, normally a ConfigMap in the operator's namespace mounted at Settings.policy_path;
 docs/operator.md, "Admin policy", says why a file and not a cluster-scoped resource); `check`
-is the pure decision, `load` reads the file. No file: `AdminPolicy()`, whose defaults are the
-safe ones documented on each field.
+is the pure decision, `PolicyFile.load` reads the file. No file: `AdminPolicy()`, whose defaults
+are the safe ones documented on each field.
 """
 
 from __future__ import annotations
 
-import os
+import threading
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -22,10 +22,10 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import Field, ValidationError
 
-from kvscale.operator.models import InferenceDeploymentSpec, _Model, is_hf
+from kvscale.operator.api.model import is_hf
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.validation import CamelModel
 
-DEFAULT_POLICY_PATH = "/etc/kvscale/policy.yaml"  # manifests/base/deployment.yaml mounts it
-POLICY_PATH = Path(os.environ.get("KVSCALE_POLICY_FILE", DEFAULT_POLICY_PATH))
 DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 # Variables of the download container the spec sets through its own fields, where this policy
 # checks them: an `env` entry of that name would replace the operator's value unchecked.
@@ -36,7 +36,7 @@ GUARDED_ENV = {
 }
 
 
-class TolerationRule(_Model):
+class TolerationRule(CamelModel):
     """A toleration the workers may carry: `key` must match, the other fields too where set."""
 
     key: str = Field(min_length=1, max_length=317, description="Taint key.")
@@ -47,7 +47,7 @@ class TolerationRule(_Model):
     )
 
 
-class PodSecurity(_Model):
+class PodSecurity(CamelModel):
     """Fixed IDs of the worker and router pods. Unset (the default): `runAsNonRoot` alone, the
     image's numeric USER runs (OpenShift's restricted-v2 assigns the namespace's UID)."""
 
@@ -61,7 +61,7 @@ class PodSecurity(_Model):
     )
 
 
-class NetworkPolicySettings(_Model):
+class NetworkPolicySettings(CamelModel):
     """The NetworkPolicies the operator applies per InferenceDeployment."""
 
     enabled: bool = Field(default=True, description="Apply them.")
@@ -77,7 +77,7 @@ class NetworkPolicySettings(_Model):
     )
 
 
-class AdminPolicy(_Model):
+class AdminPolicy(CamelModel):
     """What InferenceDeployments may ask for. Each unset field has the default its description
     gives: refusing what lets one tenant take from another, allowing the rest."""
 
@@ -347,33 +347,40 @@ class PolicyError(Exception):
     """The policy file exists but cannot be read as a policy: nothing is applied (fail closed)."""
 
 
-def parse(text: str) -> AdminPolicy:
+def parse(text: str, source: str | Path = "") -> AdminPolicy:
+    """The policy in `text` (read from `source`, for the message)."""
     try:
         data = yaml.safe_load(text) or {}
         return AdminPolicy.model_validate(data)
     except (yaml.YAMLError, ValidationError) as e:
-        raise PolicyError(f"the admin policy {POLICY_PATH} is invalid: {e}".splitlines()[0][:500]) from e
+        where = f" {source}" if source else ""
+        raise PolicyError(f"the admin policy{where} is invalid: {e}".splitlines()[0][:500]) from e
 
 
-_cache: dict[Path, tuple[tuple[int, int] | None, AdminPolicy | PolicyError]] = {}
+class PolicyFile:
+    """The policy in force, from one file: re-read when it changes (the kubelet updates a mounted
+    ConfigMap in place), `AdminPolicy()` without one. Thread-safe (syncs run on several threads)."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._guard = threading.Lock()
+        self._cached: tuple[tuple[int, int] | None, AdminPolicy | PolicyError] | None = None
 
-def load(path: Path | None = None) -> AdminPolicy:
-    """The policy in force: the file's (re-read when it changes: the kubelet updates a mounted
-    ConfigMap in place), `AdminPolicy()` without one. Raises PolicyError for an invalid file."""
-    path = path or POLICY_PATH
-    try:
-        st = path.stat()
-        stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
-    except FileNotFoundError:
-        stamp = None
-    cached = _cache.get(path)
-    if cached is None or cached[0] != stamp:
+    def load(self) -> AdminPolicy:
+        """Raises PolicyError for an invalid file."""
         try:
-            value: AdminPolicy | PolicyError = AdminPolicy() if stamp is None else parse(path.read_text())
-        except PolicyError as e:
-            value = e
-        cached = _cache[path] = (stamp, value)
-    if isinstance(cached[1], PolicyError):
-        raise cached[1]
-    return cached[1]
+            st = self.path.stat()
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        with self._guard:
+            cached = self._cached
+            if cached is None or cached[0] != stamp:
+                try:
+                    value = AdminPolicy() if stamp is None else parse(self.path.read_text(), self.path)
+                except PolicyError as e:
+                    value = e
+                cached = self._cached = (stamp, value)
+        if isinstance(cached[1], PolicyError):
+            raise cached[1]
+        return cached[1]

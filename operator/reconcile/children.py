@@ -4,8 +4,8 @@ Deployment (the worker pods; a LeaderWorkerSet of pod groups for a multi-node mo
 (their OpenAI endpoint) and PodDisruptionBudget, and with
 `spec.router.enabled` (the default) the router: its Deployment and Service (NAME-router) and its
 ServiceAccount, Role and RoleBinding. Each is owned by the resource (garbage-collected with it)
-and labelled for selection and for our event handler. No I/O here: the handlers apply what
-these return.
+and labelled for selection and for our watches (api/labels.py). No I/O here: the reconciler
+applies what these return.
 """
 
 from __future__ import annotations
@@ -21,29 +21,23 @@ from urllib.parse import quote
 
 from kubernetes.utils import parse_quantity
 
-from kvscale.operator.models import (
-    DNS_LABEL,
-    GROUP,
-    KIND,
-    QUANTITY,
-    RESERVED_LABELS,
-    RESERVED_PREFIX,
-    VERSION,
-    InferenceDeploymentSpec,
-    is_hf,
-    search,
+from kvscale.operator.api.groupversion import GROUP, KIND, VERSION
+from kvscale.operator.api.labels import (
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_OWNER,
+    MANAGER,
+    ROUTER,
+    WORKER,
 )
-from kvscale.operator.policy import AdminPolicy, NetworkPolicySettings, PodSecurity
+from kvscale.operator.api.model import is_hf
+from kvscale.operator.api.pod import RESERVED_LABELS, RESERVED_PREFIX
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.validation import DNS_LABEL, QUANTITY, search
+from kvscale.operator.reconcile.admin_policy import AdminPolicy, NetworkPolicySettings, PodSecurity
 
-MANAGER = "kvscale-operator"  # our field manager and the managed-by label
-AUTOSCALER_MANAGER = "kvscale-autoscaler"  # the autoscaler's, for the Deployment's replicas
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_OWNER = f"{GROUP}/inference-deployment"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-WORKER = "kvscale-worker"
-ROUTER = "kvscale-router"
 PORT = 8000
 PRESTOP_SECONDS = 5  # endpoints stop routing to a terminating pod before it drains
 MODELS_ROOT = "/models"

@@ -1,5 +1,5 @@
-"""Pure decisions of self-healing: has a child drifted from what we apply, is an API error
-permanent, how long to back off, and a small retry queue.
+"""Pure decisions of self-healing: has a child drifted from what we apply, which condition an API
+refusal becomes and whether it is retried, how long to back off, and a small retry queue.
 
 A child drifts when a field we set has another value on the server (someone ran `kubectl set
 image` or `kubectl scale`, removed our label) or is gone. What others added is not drift:
@@ -18,6 +18,8 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from kvscale.operator.kube.errors import TRANSIENT_4XX
+
 _MISSING = object()
 
 # Condition reasons that mean "this generation cannot be applied": no retry until it changes.
@@ -30,9 +32,6 @@ RETRIED_REASONS = ("ApplyFailed", "QuotaExceeded", "AdmissionDenied", "Forbidden
 # change; no write while the message stays the same).
 RECHECKED_REASONS = ("PolicyViolation", "PolicyInvalid", "ChildConflict")
 APPLY_FAILURES = (*PERMANENT_REASONS, *RETRIED_REASONS, *RECHECKED_REASONS)
-# 4xx that are worth retrying: a timeout, a conflict (an object being deleted, a lost race),
-# too early, too many requests. Every other 4xx is the API refusing what we sent.
-TRANSIENT_4XX = frozenset({408, 409, 425, 429})
 BACKOFF_BASE_S = 2.0
 BACKOFF_MAX_S = 300.0
 
@@ -76,11 +75,6 @@ def _same_quantity(a: str, b: str) -> bool:
         return parse_quantity(a) == parse_quantity(b)
     except ValueError:
         return False
-
-
-def permanent(status: int | None) -> bool:
-    """An API error that retrying the same request cannot fix (None: no answer, a timeout)."""
-    return status is not None and 400 <= status < 500 and status not in TRANSIENT_4XX
 
 
 def api_refusal(status: int | None, reason: str | None, message: str) -> tuple[str, bool]:

@@ -1,5 +1,5 @@
 """Pure functions: what the Deployment reports -> the InferenceDeployment's status and conditions,
-and which writer owns which status fields.
+and when each writer writes (which writer owns which fields: api/status.py).
 
 Ready: every wanted worker is ready and on the current spec. Progressing: a rollout or a scale
 is under way. Degraded: the Deployment reports a failure (progress deadline exceeded, replica
@@ -23,65 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvscale.operator.children import AUTOSCALER_MANAGER, DOWNLOAD_SUFFIX, MANAGER
-from kvscale.operator.models import GROUP, KIND, VERSION
-
-
-@dataclass(frozen=True)
-class Fields:
-    """The top-level status fields and the condition types one writer owns."""
-
-    fields: frozenset[str]
-    conditions: frozenset[str]
-
-
-OWNED = {
-    MANAGER: Fields(
-        frozenset(
-            {
-                "observedGeneration",
-                "replicas",
-                "readyReplicas",
-                "updatedReplicas",
-                "ready",
-                "selector",
-                "endpoint",
-                "conditions",
-            }
-        ),
-        frozenset({"Ready", "Progressing", "Degraded"}),
-    ),
-    AUTOSCALER_MANAGER: Fields(
-        frozenset({"kvCacheUsage", "autoscaling", "conditions"}), frozenset({"ScalingActive"})
-    ),
-}
-
-
-def pruned(value: Any) -> Any:
-    """Without None values: in an apply, an absent field is "not mine", and null fails the schema."""
-    if isinstance(value, dict):
-        return {k: pruned(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [pruned(v) for v in value]
-    return value
-
-
-def status_apply(name: str, namespace: str, status: dict[str, Any], manager: str) -> dict[str, Any]:
-    """The server-side apply body of `status` for `manager`; refuses another writer's fields
-    (sending one would make this writer a co-owner and let it overwrite the other's value)."""
-    own = OWNED[manager]
-    foreign = set(status) - own.fields
-    foreign |= {
-        f"conditions[{c['type']}]" for c in status.get("conditions", []) if c["type"] not in own.conditions
-    }
-    if foreign:
-        raise ValueError(f"{manager} does not own status fields {sorted(foreign)}")
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "metadata": {"name": name, "namespace": namespace},
-        "status": pruned(status),
-    }
+from kvscale.operator.api.status import pruned
+from kvscale.operator.reconcile.children import DOWNLOAD_SUFFIX
 
 
 def status_changed(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
