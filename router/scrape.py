@@ -21,7 +21,7 @@ from kvscale.router.state import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
-# The worker's names (worker/server/metrics.py): vLLM's, which every vLLM-compatible server
+# The worker's names (worker/metrics/prometheus.py): vLLM's, which every vLLM-compatible server
 # exports, and our KV pool size (the prefix index's per-endpoint capacity).
 FAMILIES = {
     "vllm:kv_cache_usage_perc": "kv_usage",

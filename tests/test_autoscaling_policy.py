@@ -296,7 +296,7 @@ def test_metrics_are_read_under_our_names_or_vllms():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from kvscale.operator.autoscaler.scrape import parse_metrics
-    from kvscale.worker.server.metrics import EngineMetrics
+    from kvscale.worker.metrics.prometheus import EngineMetrics
 
     metrics = EngineMetrics("m", CollectorRegistry())
     metrics.kv_cache_usage.set(0.625)

@@ -1,5 +1,5 @@
-"""The GPU check script (`python -m kvscale.kernels.bench`) in its smoke mode: every section runs on
-the CPU under the Triton interpreter and reports the keys the GPU run is read by. Figures are
+"""The GPU check script (`python -m kvscale.worker.bench.gpu`) in its smoke mode: every section
+runs on the CPU under the Triton interpreter and reports the keys the GPU run is read by. Figures are
 meaningless here; what is checked is that the code paths run and say truthfully what ran."""
 
 import os
@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from test_engine_triton import EagerGraphs
 
-from kvscale.kernels import bench
+from kvscale.worker.bench import gpu as bench
 from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 
 RUN_KEYS = {

@@ -17,7 +17,7 @@ from kvscale.router.endpoints import StaticEndpoints
 from kvscale.router.picker import PickerConfig
 from kvscale.router.server import Router, RouterConfig, build_app
 from kvscale.router.state import RouterState
-from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.worker.metrics.prometheus import EngineMetrics
 
 SSE = [
     b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"def"}]}\n\n',

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvscale.router.endpoints import StaticEndpoints, apply_event, endpoints_from_slices
 from kvscale.router.scrape import Scraper, parse_metrics
-from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.worker.metrics.prometheus import EngineMetrics
 
 
 def eps(*items):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.distributed import launcher
+from kvscale.worker.executor import launcher
 from kvscale.worker.engine.llm_engine import (
     MAX_CONSECUTIVE_FAILED_STEPS,
     RequestFailedError,

@@ -2,9 +2,9 @@
 throughput against transformers `generate` and its decode step time with and without CUDA graphs,
 all on the GPU at hand. Prints one JSON object.
 
-    python -m kvscale.kernels.bench --json                          # the whole check, a few minutes
-    python -m kvscale.kernels.bench --json --skip-e2e               # kernels only
-    python -m kvscale.kernels.bench --json --sections decode_steps  # some sections only
+    python -m kvscale.worker.bench.gpu --json                          # the whole check, a few minutes
+    python -m kvscale.worker.bench.gpu --json --skip-e2e               # kernels only
+    python -m kvscale.worker.bench.gpu --json --sections decode_steps  # some sections only
 
 1. Correctness: each kernel on fresh random data in float16 and bfloat16, outputs poisoned with
    NaN first, compared with its plain-torch reference (max relative error, pass/fail).
@@ -707,9 +707,14 @@ def cold_start() -> dict:
             wall = time.perf_counter() - wall
             if done.returncode != 0:
                 raise RuntimeError(f"{run}: exit {done.returncode}: {done.stderr[-2000:]}")
-            runs.append({"run": run, "process_wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])})
-    return {"model": model_info, "runs": runs, "warm_over_cold_engine_ready": (
-        runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"])}
+            runs.append(
+                {"run": run, "process_wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
+            )
+    return {
+        "model": model_info,
+        "runs": runs,
+        "warm_over_cold_engine_ready": (runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"]),
+    }
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -764,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.smoke and triton_interpreting()):
             error = (
                 "CUDA is not available: this script checks and times the kernels on a GPU; to check the "
-                "script itself on a CPU: TRITON_INTERPRET=1 python -m kvscale.kernels.bench --smoke"
+                "script itself on a CPU: TRITON_INTERPRET=1 python -m kvscale.worker.bench.gpu --smoke"
             )
             print(json.dumps({"error": error}))
             return 2
@@ -779,7 +784,9 @@ def main(argv: list[str] | None = None) -> int:
         "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if on_gpu else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "command": " ".join(["python -m kvscale.kernels.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(
+            ["python -m kvscale.worker.bench.gpu", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "sections": sections,
     }
     start = time.perf_counter()

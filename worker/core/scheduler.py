@@ -16,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvscale.worker.core.kv_cache_manager import KVCacheManager, NewlyCached
-from kvscale.worker.core.request import Request, RequestStatus, TokenLogprobs
+from kvscale.worker.core.request import Request, RequestStatus
+from kvscale.worker.metrics.stats import SchedulerStats
+from kvscale.worker.sample.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +62,6 @@ class SchedulerOutput:
 
     def is_empty(self) -> bool:
         return not self.requests
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class Scheduler:

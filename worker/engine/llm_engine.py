@@ -27,7 +27,7 @@ from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerO
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
-from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
+from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.llama import DecoderSpec
 from kvscale.worker.model.loader import load_config, load_generation_defaults, load_tokenizer
 from kvscale.worker.model.model_runner import LaunchedStep, ModelRunner
@@ -139,7 +139,7 @@ class LLMEngine:
                 raise ValueError("only node_rank 0 runs the engine; other nodes run ranks only")
             # Refuse a size the heads cannot be split into before any process starts.
             DecoderSpec.from_hf_config(load_config(args.model)).layout(0, args.tensor_parallel_size)
-            from kvscale.worker.distributed.launcher import TensorParallelDriver
+            from kvscale.worker.executor.launcher import TensorParallelDriver
 
             self.tp_driver = TensorParallelDriver(args)
         try:
@@ -446,7 +446,7 @@ class LLMEngine:
         if reason is not None:
             logger.error("the engine cannot go on: %s", reason)
             if tensor_parallel:  # /health answers 500 and the server exits 1 (api_server.exit_soon)
-                from kvscale.worker.distributed.launcher import record_group_failure
+                from kvscale.worker.executor.launcher import record_group_failure
 
                 record_group_failure(reason)
             raise error

@@ -14,7 +14,7 @@ import signal
 
 from aiohttp import web
 
-from kvscale.worker.distributed.launcher import RankProcesses, group_failure, local_ranks, on_group_failure
+from kvscale.worker.executor.launcher import RankProcesses, group_failure, local_ranks, on_group_failure
 
 logger = logging.getLogger(__name__)
 

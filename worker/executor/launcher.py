@@ -63,7 +63,7 @@ class RankProcesses:
         self.finished = threading.Event()  # every rank has exited
 
     def start(self) -> None:
-        from kvscale.worker.distributed.rank_worker import rank_main
+        from kvscale.worker.executor.rank_worker import rank_main
 
         if not self.ranks:  # node 0 of a group with one rank per node: rank 0 is all there is
             self.finished.set()
@@ -139,9 +139,9 @@ class TensorParallelDriver:
 
     def __init__(self, args) -> None:
         from kvscale.worker.distributed.parallel_state import init_tensor_parallel
-        from kvscale.worker.distributed.rank_worker import cpu_threads_per_rank
         from kvscale.worker.distributed.shm_broadcast import ShmRingWriter
         from kvscale.worker.distributed.step_broadcast import ring_ranks
+        from kvscale.worker.executor.rank_worker import cpu_threads_per_rank
         from kvscale.worker.model.model_runner import resolve_device
 
         device = resolve_device(args.device)

@@ -13,8 +13,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvscale.worker.core.scheduler import SchedulerStats
-from kvscale.worker.engine.stats import IterationStats
+from kvscale.worker.metrics.stats import IterationStats, SchedulerStats
 
 # Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -1,4 +1,5 @@
-"""What one engine step did, for the metrics: filled by the engine, read by a stat logger."""
+"""What one engine step did and where the scheduler stands, for the metrics: filled by the engine
+and the scheduler, read by the Prometheus exporter (prometheus.py), which the server serves."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ class IterationStats:
     num_structured_requests: int = 0
     grammar_compile_times: list[float] = field(default_factory=list)
     grammar_mask_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int

@@ -23,7 +23,6 @@ from typing import Any
 from aiohttp import web
 
 from kvscale.common.request_body import body_limits, longest_token_bytes, parse_body
-from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
 from kvscale.worker.engine.llm_engine import RequestFailedError
 from kvscale.worker.engine.outputs import (
@@ -33,6 +32,7 @@ from kvscale.worker.engine.outputs import (
     add_delta,
     merge_completion,
 )
+from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.protocol import (
     MAX_PROMPTS,
