@@ -268,12 +268,7 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        # Without max_tokens a request may run to the model length, or to what the whole pool holds
-        # when that is less (so it is not refused for a worst case nobody asked for).
-        room = min(self.max_model_len, self.kv_cache_manager.num_blocks * self.args.block_size) - len(
-            prompt_ids
-        )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        max_tokens = self.scheduler.max_tokens_for(len(prompt_ids), params.max_tokens)
         grammar_future = None if grammar is None else grammar.future
         parsed = None
         if params.structured_outputs is not None and grammar is None:
@@ -298,7 +293,7 @@ class LLMEngine:
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
-                max_tokens=max(1, max_tokens),
+                max_tokens=max_tokens,
                 arrival_time=arrival,
                 prompt=text,
                 bad_words_token_ids=bad_words,

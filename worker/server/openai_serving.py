@@ -267,11 +267,8 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            # Up to the context limit, clipped to what the whole KV pool holds: never refused for a
-            # worst case nobody asked for (start-up keeps max_model_len within the pool too).
-            engine = self.llm.engine
-            pool = engine.kv_cache_manager.num_blocks * engine.args.block_size
-            return max(1, min(limit, pool) - prompt_len)
+            # The engine's default, the one the request would get offline (Scheduler.max_tokens_for).
+            return self.llm.engine.scheduler.max_tokens_for(prompt_len, None)
         if prompt_len + max_tokens > limit:
             raise _bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
