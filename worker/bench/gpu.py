@@ -700,7 +700,9 @@ def cold_start() -> dict:
         }
         for run in ("cold_caches", "warm_caches", "warm_caches_again"):
             log(f"cold start: {run}")
-            args = [sys.executable, "-c", COLD_START_CHILD, str(path), DEVICE,
+            # -P: not the working directory first on sys.path. From the repository's root it would
+            # put our kernels/ in place of the `kernels` package transformers imports.
+            args = [sys.executable, "-P", "-c", COLD_START_CHILD, str(path), DEVICE,
                     str(SIZES["max_model_len"]), str(kv_bytes)]  # fmt: skip
             wall = time.perf_counter()
             done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
