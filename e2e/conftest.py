@@ -25,6 +25,11 @@ from kubernetes import client, config
 os.environ.setdefault("KVSCALE_ENFORCE_EAGER", "1")
 
 
+# e2e/test_ipv6_node.py needs a session whose real node is IPv6-first (KVSCALE_E2E_IPV6_FIRST=1;
+# .ci/run runs it in a session of its own after the main one): elsewhere it is not collected.
+collect_ignore = [] if os.environ.get("KVSCALE_E2E_IPV6_FIRST") == "1" else ["test_ipv6_node.py"]
+
+
 @dataclass
 class Cluster:
     kubeconfig: Path

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import subprocess
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import go_module
@@ -75,12 +76,16 @@ def build(timeout: float = 3600) -> Path:
     return BIN
 
 
-def corefile(listen: str, kubeconfig: Path, upstream: str = "/etc/resolv.conf") -> str:
+def _listens(listen: str | Sequence[str]) -> list[str]:
+    return [listen] if isinstance(listen, str) else list(listen)
+
+
+def corefile(listen: str | Sequence[str], kubeconfig: Path, upstream: str = "/etc/resolv.conf") -> str:
     """The node's Corefile: cluster.local (and reverse lookups of our ranges) from the API server,
-    everything else forwarded to the host's resolver."""
+    everything else forwarded to the host's resolver; on each address of `listen`."""
     return f"""\
 .:53 {{
-    bind {listen}
+    bind {" ".join(_listens(listen))}
     errors
     log . "{{remote}} {{type}} {{name}} {{rcode}}"
     health 127.0.0.1:{HEALTH_PORT}
@@ -97,42 +102,62 @@ def corefile(listen: str, kubeconfig: Path, upstream: str = "/etc/resolv.conf") 
 """
 
 
-def service_manifests(dns_ip: str, listen: str) -> list[dict]:
+def service_manifests(dns_ip: str | Sequence[str], listen: str | Sequence[str]) -> list[dict]:
     """The `kube-dns` Service on dns_ip (what pods' resolv.conf names) and, the Service having no
-    selector (CoreDNS is a host process, not a pod), its EndpointSlice: listen:53, UDP and TCP."""
+    selector (CoreDNS is a host process, not a pod), its EndpointSlice: listen:53, UDP and TCP.
+    With an address of each family (the primary first), a dual-stack Service and a slice per
+    family (a slice holds one family)."""
     ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
     labels = {"k8s-app": SERVICE_NAME, "kubernetes.io/name": "CoreDNS"}
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE, "labels": labels},
-            "spec": {
-                "clusterIP": dns_ip,
-                "ports": [{"name": n, "protocol": p, "port": 53, "targetPort": 53} for n, p in ports],
-            },
-        },
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": f"{SERVICE_NAME}-host",
-                "namespace": SERVICE_NAMESPACE,
-                "labels": {
-                    "kubernetes.io/service-name": SERVICE_NAME,
-                    "endpointslice.kubernetes.io/managed-by": "kvscale-e2e",
+    ips, listens = _listens(dns_ip), _listens(listen)
+    spec: dict = {
+        "clusterIP": ips[0],
+        "ports": [{"name": n, "protocol": p, "port": 53, "targetPort": 53} for n, p in ports],
+    }
+    if len(ips) > 1:
+        spec["clusterIPs"] = ips
+        spec["ipFamilyPolicy"] = "RequireDualStack"
+        spec["ipFamilies"] = ["IPv6" if ":" in ip else "IPv4" for ip in ips]
+    slices = []
+    for address in listens:
+        family = "IPv6" if ":" in address else "IPv4"
+        slices.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{SERVICE_NAME}-host" + ("-ipv6" if family == "IPv6" else ""),
+                    "namespace": SERVICE_NAMESPACE,
+                    "labels": {
+                        "kubernetes.io/service-name": SERVICE_NAME,
+                        "endpointslice.kubernetes.io/managed-by": "kvscale-e2e",
+                    },
                 },
-            },
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": [listen], "conditions": {"ready": True}}],
-            "ports": [{"name": n, "protocol": p, "port": 53} for n, p in ports],
-        },
-    ]
+                "addressType": family,
+                "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+                "ports": [{"name": n, "protocol": p, "port": 53} for n, p in ports],
+            }
+        )
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": SERVICE_NAME, "namespace": SERVICE_NAMESPACE, "labels": labels},
+        "spec": spec,
+    }
+    return [service, *slices]
 
 
-def start(ledger: Ledger, kubeconfig: Path, listen: str, state: Path, log_dir: Path, timeout: float = 60):
-    """CoreDNS on listen:53 (a process in the ledger), once its kubernetes plugin has synced with
-    the API server (`ready`): a pod started after this resolves from its first query."""
+def start(
+    ledger: Ledger,
+    kubeconfig: Path,
+    listen: str | Sequence[str],
+    state: Path,
+    log_dir: Path,
+    timeout: float = 60,
+):
+    """CoreDNS on listen:53, each address of it (a process in the ledger), once its kubernetes
+    plugin has synced with the API server (`ready`): a pod started after this resolves from its
+    first query."""
     binary = build()
     state.mkdir(parents=True, exist_ok=True)
     (state / "Corefile").write_text(corefile(listen, kubeconfig))

@@ -13,6 +13,14 @@ the `kube-system/kube-dns` Service at DNS_IP (the kubelet's clusterDNS): pods re
 pods and the hostname.subdomain names of headless Services (a LeaderWorkerSet leader's address),
 and the host's resolver answers the rest (pods still have no egress to use it with).
 
+IPv6 (KVSCALE_E2E_IPV6_FIRST=1): the node is dual-stack with IPv6 as its primary family, as an
+IPv6-first cluster is: the bridge also carries NODE_IP6 of POD_CIDR6, pods get an address of
+each family (the IPv6 one first: `status.podIP`), the API server binds and advertises NODE_IP6
+and the Service ranges are SERVICE_CIDR6 then SERVICE_CIDR (a Service that names no family gets
+an IPv6 ClusterIP, its EndpointSlices IPv6 addresses), kube-proxy programs ip6tables too and
+CoreDNS answers on both. The IPv6 ranges are a ULA /48 chosen at random (RFC 4193), on our
+bridge only, routed nowhere else (the machine's own fd00::/64 is not in it).
+
 Everything created goes into the ledger (e2e/runtime.py) and `RealNode.stop` / `Ledger.teardown`
 removes it: the pods first (their shims outlive containerd), then the processes by PID in reverse
 order, `kube-proxy --cleanup`, the iptables chains the CNI plugins made, the bridge and route,
@@ -24,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -40,35 +49,79 @@ NODE_IP = "198.18.0.1"  # the bridge's address on the host
 SERVICE_CIDR = "198.19.0.0/24"
 DNS_IP = "198.19.0.10"  # the kube-dns Service: CoreDNS on the host, at NODE_IP:53 (e2e/coredns.py)
 BRIDGE = "kvscale0"
+# The IPv6 side (KVSCALE_E2E_IPV6_FIRST=1): a ULA /48 of our own (random global ID fd9f:ecff:2a08).
+ULA = "fd9f:ecff:2a08::/48"
+POD_CIDR6 = "fd9f:ecff:2a08::/64"
+NODE_IP6 = "fd9f:ecff:2a08::1"
+SERVICE_CIDR6 = "fd9f:ecff:2a08:1::/112"
+DNS_IP6 = "fd9f:ecff:2a08:1::a"
+IPV6_FIRST = os.environ.get("KVSCALE_E2E_IPV6_FIRST") == "1"
 SYSCTLS = {"net/ipv4/ip_forward": "1", "net/bridge/bridge-nf-call-iptables": "1"}
+# IPv6 forwarding: pod -> ClusterIP -> pod is routed by the host. The CNI bridge plugin (a
+# gateway of each family) turns on all.forwarding for the families it serves anyway; set here,
+# it is recorded and put back at teardown. Harmless on these machines: eth0's IPv6 address and
+# default route are static (accept_ra 0), and pods have no default route to leave by.
+SYSCTLS6 = {"net/bridge/bridge-nf-call-ip6tables": "1", "net/ipv6/conf/all/forwarding": "1"}
 IPTABLES_TABLES = ("filter", "nat", "mangle")
 OUR_CHAINS = ("KUBE-", "CNI-")  # kube-proxy's and the kubelet's, the CNI firewall's and portmap's
 
 
-def iptables_chains() -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class Stack:
+    """The node's addresses, primary family first: IPv4 alone, or IPv6-first dual-stack."""
+
+    node_ips: tuple[str, ...]
+    pod_cidrs: tuple[str, ...]
+    service_cidrs: tuple[str, ...]
+    dns_ips: tuple[str, ...]
+
+    @property
+    def api_address(self) -> str:  # the API server's and the kubelet's: the primary family's
+        return self.node_ips[0]
+
+    @property
+    def ipv6(self) -> bool:
+        return any(":" in ip for ip in self.node_ips)
+
+
+IPV4 = Stack((NODE_IP,), (POD_CIDR,), (SERVICE_CIDR,), (DNS_IP,))
+IPV6_FIRST_DUAL = Stack(
+    (NODE_IP6, NODE_IP), (POD_CIDR6, POD_CIDR), (SERVICE_CIDR6, SERVICE_CIDR), (DNS_IP6, DNS_IP)
+)
+
+
+def stack() -> Stack:
+    """The session's: IPv4, or IPv6-first dual-stack with KVSCALE_E2E_IPV6_FIRST=1."""
+    return IPV6_FIRST_DUAL if IPV6_FIRST else IPV4
+
+
+def iptables_chains(binary: str = "iptables") -> dict[str, list[str]]:
     chains = {}
     for table in IPTABLES_TABLES:
-        rules = subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True).stdout
+        rules = subprocess.run([binary, "-t", table, "-S"], capture_output=True, text=True).stdout
         chains[table] = [line.split()[1] for line in rules.splitlines() if line.startswith("-N ")]
     return chains
 
 
-def routed_elsewhere() -> list[str]:
+def routed_elsewhere(ipv6: bool = False) -> list[str]:
     """Routes of this machine (any table) that overlap our ranges, the default route aside."""
-    out = subprocess.run(
-        ["ip", "-j", "route", "show", "table", "all"], capture_output=True, text=True, check=True
-    )
-    ours = [ipaddress.ip_network(POD_CIDR), ipaddress.ip_network(SERVICE_CIDR)]
+    routes = []
+    for family in ("-4", "-6") if ipv6 else ("-4",):
+        out = subprocess.run(
+            ["ip", "-j", family, "route", "show", "table", "all"], capture_output=True, text=True, check=True
+        )
+        routes += json.loads(out.stdout or "[]")
+    ours = [ipaddress.ip_network(c) for c in (POD_CIDR, SERVICE_CIDR, *((ULA,) if ipv6 else ()))]
     found = []
-    for route in json.loads(out.stdout or "[]"):
+    for route in routes:
         dst = route.get("dst", "default")
-        if dst == "default" or ":" in dst or route.get("dev") == BRIDGE:
+        if dst == "default" or route.get("dev") == BRIDGE:
             continue
         try:
             net = ipaddress.ip_network(dst, strict=False)
         except ValueError:
             continue
-        if net.prefixlen > 0 and any(net.overlaps(o) for o in ours):
+        if net.prefixlen > 0 and any(net.version == o.version and net.overlaps(o) for o in ours):
             kind, dev, table = route.get("type", "unicast"), route.get("dev", "-"), route.get("table", "main")
             found.append(f"{dst} ({kind} dev {dev} table {table})")
     return found
@@ -92,17 +145,19 @@ class RealNode:
     runtimes: Runtimes
     log_dir: Path
     startup_s: float = 0.0
+    stack: Stack = IPV4
 
     @staticmethod
-    def prepare_network(ledger: Ledger) -> None:
-        """The bridge with the node's address (before the API server, which binds to it) and the
-        Service range's unreachable route; refuses ranges the machine already routes."""
-        clash = routed_elsewhere()
+    def prepare_network(ledger: Ledger, stack: Stack = IPV4) -> None:
+        """The bridge with the node's addresses (before the API server, which binds to one) and
+        the Service ranges' routes onto it; refuses ranges the machine already routes."""
+        clash = routed_elsewhere(stack.ipv6)
         if clash:
             raise RuntimeError(
-                f"refusing to start: {POD_CIDR} or {SERVICE_CIDR} is already routed here: {clash}"
+                f"refusing to start: {', '.join(stack.pod_cidrs + stack.service_cidrs)} overlap "
+                f"what this machine already routes: {clash}"
             )
-        for name, value in SYSCTLS.items():
+        for name, value in {**SYSCTLS, **(SYSCTLS6 if stack.ipv6 else {})}.items():
             old = _sysctl(name)
             if old != value:
                 ledger.add(kind="command", argv=["sysctl", "-w", f"{name.replace('/', '.')}={old}"])
@@ -117,9 +172,17 @@ class RealNode:
         # every ClusterIP connection from the host with EHOSTUNREACH.)
         ledger.add(kind="route", route=f"{SERVICE_CIDR} dev {BRIDGE}")
         _run("ip", "route", "add", SERVICE_CIDR, "dev", BRIDGE)
+        if stack.ipv6:
+            # nodad: the address is ours alone on a bridge we just made; no wait for DAD.
+            _run("ip", "-6", "addr", "add", f"{NODE_IP6}/{POD_CIDR6.split('/')[1]}", "dev", BRIDGE, "nodad")
+            _run("ip", "-6", "route", "add", SERVICE_CIDR6, "dev", BRIDGE)
         # The chains that appear from here on (kubelet, kube-proxy, CNI plugins) and the rules
-        # jumping to them go at teardown, after `kube-proxy --cleanup` took its own.
-        ledger.add(kind="iptables", prefixes=list(OUR_CHAINS), before=iptables_chains())
+        # jumping to them go at teardown, after `kube-proxy --cleanup` took its own. Both
+        # families in any case: the kubelet makes its canary chains in each.
+        for binary in ("iptables", "ip6tables"):
+            ledger.add(
+                kind="iptables", binary=binary, prefixes=list(OUR_CHAINS), before=iptables_chains(binary)
+            )
 
     def start(self, cp: ControlPlane, binaries: Binaries, built_images: list[str], log=print) -> RealNode:
         started = time.monotonic()
@@ -147,11 +210,12 @@ class RealNode:
                     "mode": "iptables",
                     "clientConnection": {"kubeconfig": kubeconfig},
                     "hostnameOverride": NODE_NAME,
-                    "clusterCIDR": POD_CIDR,
-                    "bindAddress": NODE_IP,
+                    "clusterCIDR": ",".join(self.stack.pod_cidrs),
+                    # The primary family's: kube-proxy takes it for the node's.
+                    "bindAddress": self.stack.api_address,
                     "healthzBindAddress": "127.0.0.1:10256",
                     "metricsBindAddress": "127.0.0.1:10249",
-                    "nodePortAddresses": [f"{NODE_IP}/32"],
+                    "nodePortAddresses": [f"{ip}/{128 if ':' in ip else 32}" for ip in self.stack.node_ips],
                     # No permission to set conntrack sysctls on this VM: leave them as they are.
                     "conntrack": {
                         "maxPerCore": 0,
@@ -172,16 +236,15 @@ class RealNode:
         # Cluster DNS before the kubelet, so every pod's resolv.conf names a server that answers.
         # CoreDNS's own ledger entry (a process) stops it after the kubelet; the Service and its
         # EndpointSlice live in the control plane's etcd and go with it.
-        coredns.start(self.ledger, cp.kubeconfig, NODE_IP, state / "coredns", self.log_dir)
+        coredns.start(self.ledger, cp.kubeconfig, list(self.stack.node_ips), state / "coredns", self.log_dir)
+        dns = coredns.service_manifests(list(self.stack.dns_ips), list(self.stack.node_ips))
         kubectl(
             cp.kubeconfig,
             "apply",
             "--server-side",
             "-f",
             "-",
-            input=json.dumps(
-                {"apiVersion": "v1", "kind": "List", "items": coredns.service_manifests(DNS_IP, NODE_IP)}
-            ),
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns}),
         )
 
         kubelet_root = ROOT_DIR / "kubelet"
@@ -199,7 +262,7 @@ class RealNode:
                     "cgroupDriver": "cgroupfs",
                     "failSwapOn": False,
                     "containerRuntimeEndpoint": f"unix://{self.runtimes.containerd_sock}",
-                    "address": NODE_IP,
+                    "address": self.stack.api_address,  # the API server dials the first InternalIP
                     "readOnlyPort": 0,
                     "healthzBindAddress": "127.0.0.1",
                     # The API server dials the kubelet (logs, exec) without a client certificate.
@@ -217,7 +280,7 @@ class RealNode:
                     "syncFrequency": "10s",
                     "fileCheckFrequency": "10s",
                     "resolvConf": "/etc/resolv.conf",
-                    "clusterDNS": [DNS_IP],
+                    "clusterDNS": list(self.stack.dns_ips),
                     "clusterDomain": coredns.CLUSTER_DOMAIN,
                 }
             )
@@ -226,7 +289,8 @@ class RealNode:
             self.ledger,
             "kubelet",
             [str(binaries.kubelet), f"--config={kubelet_config}", f"--kubeconfig={kubeconfig}",
-             f"--root-dir={kubelet_root}", f"--hostname-override={NODE_NAME}", f"--node-ip={NODE_IP}",
+             f"--root-dir={kubelet_root}", f"--hostname-override={NODE_NAME}",
+             f"--node-ip={','.join(self.stack.node_ips)}",
              "--v=1"],
             self.log_dir,
             grace=30,
@@ -262,9 +326,17 @@ class RealNode:
                     "hairpinMode": True,  # a pod reaching its own Service
                     "ipam": {
                         "type": "host-local",
-                        "ranges": [[{"subnet": POD_CIDR, "gateway": NODE_IP}]],
+                        # One range per family, the primary first (the kubelet orders a pod's
+                        # IPs by the node's primary family either way).
+                        "ranges": [
+                            [{"subnet": cidr, "gateway": gw}]
+                            for cidr, gw in zip(self.stack.pod_cidrs, self.stack.node_ips, strict=True)
+                        ],
                         # No default route in pods: only their bridge and the Services exist.
-                        "routes": [{"dst": SERVICE_CIDR, "gw": NODE_IP}],
+                        "routes": [
+                            {"dst": cidr, "gw": gw}
+                            for cidr, gw in zip(self.stack.service_cidrs, self.stack.node_ips, strict=True)
+                        ],
                         "dataDir": str(RUN_DIR / "cni-ipam"),
                     },
                 },
@@ -313,13 +385,18 @@ def real_cluster(state_dir: Path, runtimes: Runtimes, built: images.Built, log=p
     ledger = runtimes.ledger
     mark = len(ledger.entries)
     cp = None
-    node = RealNode(ledger, runtimes, state_dir / "node")
+    net = stack()
+    node = RealNode(ledger, runtimes, state_dir / "node", stack=net)
     try:
-        RealNode.prepare_network(ledger)
+        RealNode.prepare_network(ledger, net)
         cp = ControlPlane.start(
             state_dir / "controlplane",
-            args=("--address", NODE_IP, "--service-cidr", SERVICE_CIDR, "--node-lifecycle"),
-        )
+            args=(
+                "--address", net.api_address,
+                "--service-cidr", ",".join(net.service_cidrs),
+                "--node-lifecycle",
+            ),
+        )  # fmt: skip
         ledger.add(kind="process", name="controlplane", pid=cp.proc.pid, grace=60)
         node.start(cp, binaries, list(built.images.values()), log)
         yield cp, node
@@ -335,11 +412,13 @@ def leftovers() -> list[str]:
     left = []
     if subprocess.run(["ip", "link", "show", BRIDGE], capture_output=True).returncode == 0:
         left.append(f"link {BRIDGE}")
-    routes = subprocess.run(["ip", "route", "show", SERVICE_CIDR], capture_output=True, text=True).stdout
-    if routes.strip():
-        left.append(f"route {routes.strip()}")
-    for table, chains in iptables_chains().items():
-        left += [f"iptables -t {table} chain {c}" for c in sorted(chains) if c.startswith(OUR_CHAINS)]
+    for cidr in (SERVICE_CIDR, SERVICE_CIDR6):
+        routes = subprocess.run(["ip", "route", "show", cidr], capture_output=True, text=True).stdout
+        if routes.strip():
+            left.append(f"route {routes.strip()}")
+    for binary in ("iptables", "ip6tables"):
+        for table, chains in iptables_chains(binary).items():
+            left += [f"{binary} -t {table} chain {c}" for c in sorted(chains) if c.startswith(OUR_CHAINS)]
     with open("/proc/self/mounts") as f:
         left += [f"mount {line.split()[1]}" for line in f if str(ROOT_DIR / "kubelet") in line.split()[1]]
     left += [f"coredns pid {pid}" for pid in coredns.running()]

@@ -94,14 +94,21 @@ def _undo(entry: dict) -> None:
         subprocess.run(["ip", "route", "delete", *entry["route"].split()], capture_output=True)
     elif kind == "iptables":  # chains named with one of `prefixes` that were not there `before`
         for table, before in entry["before"].items():
-            _drop_new_chains(table, set(before), tuple(entry["prefixes"]))
+            _drop_new_chains(table, set(before), tuple(entry["prefixes"]), entry.get("binary", "iptables"))
+    elif kind == "ipset":  # sets named with one of `prefixes` that were not there `before`
+        listed = subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True).stdout.split()
+        for name in set(listed) - set(entry["before"]):
+            if name.startswith(tuple(entry["prefixes"])):
+                subprocess.run(["ipset", "destroy", name], capture_output=True)
     elif kind == "path":
         shutil.rmtree(entry["path"], ignore_errors=True)
 
 
-def _drop_new_chains(table: str, before: set[str], prefixes: tuple[str, ...]) -> None:
+def _drop_new_chains(
+    table: str, before: set[str], prefixes: tuple[str, ...], binary: str = "iptables"
+) -> None:
     def iptables(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["iptables", "-t", table, *args], capture_output=True, text=True)
+        return subprocess.run([binary, "-t", table, *args], capture_output=True, text=True)
 
     rules = iptables("-S").stdout.splitlines()
     new = {r.split()[1] for r in rules if r.startswith("-N ")} - before

@@ -1,9 +1,11 @@
 """Model paths and random configs shared by the tests and conftest fixtures."""
 
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_MODELS = REPO.parent / "shared" / "models"
+# A checkout's ../shared, unless KVSCALE_SHARED_MODELS names another (a git worktree elsewhere).
+SHARED_MODELS = Path(os.environ.get("KVSCALE_SHARED_MODELS") or REPO.parent / "shared" / "models")
 TARGET = SHARED_MODELS / "tiny-code-target"
 DRAFT = SHARED_MODELS / "tiny-code-draft"
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvscale.kernels import paged_decode_attention, write_kv_cache
-from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
+from kvscale.kernels.kv_cache import write_kv_cache
+from kvscale.kernels.paged_attention import paged_decode_attention, paged_decode_attention_unwritten
 from kvscale.worker import LLM, SamplingParams
 from kvscale.worker.model import compilation
 from kvscale.worker.model.compilation import CompiledForward, compile_decision

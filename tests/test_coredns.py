@@ -59,3 +59,19 @@ def test_the_built_binary_has_the_trimmed_plugins_only():
     # none of the cloud back ends whose SDKs the trimming leaves out.
     assert plugins - set(coredns.PLUGINS) <= {"debug", "dnstap", "metadata", "prometheus", "transfer"}
     assert not {"route53", "azure", "clouddns", "etcd"} & plugins
+
+
+def test_on_a_dual_stack_node_the_service_and_its_slices_have_both_families():
+    svc, v6, v4 = coredns.service_manifests(
+        ["fd9f:ecff:2a08:1::a", "198.19.0.10"], ["fd9f:ecff:2a08::1", "198.18.0.1"]
+    )
+    assert svc["spec"]["clusterIPs"] == ["fd9f:ecff:2a08:1::a", "198.19.0.10"]
+    assert (
+        svc["spec"]["ipFamilies"] == ["IPv6", "IPv4"] and svc["spec"]["ipFamilyPolicy"] == "RequireDualStack"
+    )
+    assert (v6["addressType"], v6["endpoints"][0]["addresses"]) == ("IPv6", ["fd9f:ecff:2a08::1"])
+    assert (v4["addressType"], v4["endpoints"][0]["addresses"]) == ("IPv4", ["198.18.0.1"])
+    assert v6["metadata"]["name"] != v4["metadata"]["name"]
+    assert "bind fd9f:ecff:2a08::1 198.18.0.1\n" in coredns.corefile(
+        ["fd9f:ecff:2a08::1", "198.18.0.1"], "/k"
+    )

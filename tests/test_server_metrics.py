@@ -446,9 +446,11 @@ def test_prometheus_scrapes_the_worker_under_load(target_model, tmp_path):
                     promql = query.replace("$model_name", ".+").replace("$__rate_interval", "5s")
                     result = prometheus.query(promql, at)
                     assert result or "per_position" in promql, f"no data for {promql}"
-            (ttft_p50,) = prometheus.query(
-                "histogram_quantile(0.5, sum by (le) (rate(kvscale_time_to_first_token_seconds_bucket[1m])))"
-            )
+            # Over the whole load, as of `at`: a fixed [1m] window evaluated later saw no increase
+            # (NaN) whenever the test ran slower than that on a loaded machine.
+            window = f"{int(at - started) + 1}s"
+            buckets = f"rate(kvscale_time_to_first_token_seconds_bucket[{window}])"
+            (ttft_p50,) = prometheus.query(f"histogram_quantile(0.5, sum by (le) ({buckets}))", at)
             assert float(ttft_p50["value"][1]) > 0
     finally:
         exit_code = worker.stop()

@@ -7,7 +7,8 @@
 // scheduler and no kubelet here: the Python harness (e2e/cluster.py, e2e/realnode.py) runs them,
 // built from the same module set. With --address set to an address pods can reach (the test
 // node's bridge), the API server binds and advertises it, reconciles the `kubernetes` Service's
-// endpoint and carries it and the first Service IP in its certificate, so pods can use it.
+// endpoint and carries it and the first Service IP in its certificate, so pods can use it. An IPv6
+// --address with an IPv6-first --service-cidr pair makes an IPv6-first dual-stack cluster.
 //
 // When everything answers it writes an admin kubeconfig and prints one line,
 //
@@ -70,7 +71,7 @@ func main() {
 	dir := flag.String("dir", "", "state directory (etcd data, certificates, kubeconfig); created if missing")
 	port := flag.Int("port", 0, "kube-apiserver secure port (0: a free one)")
 	address := flag.String("address", "127.0.0.1", "kube-apiserver bind and advertise address")
-	serviceCIDR := flag.String("service-cidr", "10.96.0.0/16", "the Service ClusterIP range")
+	serviceCIDR := flag.String("service-cidr", "10.96.0.0/16", "the Service ClusterIP range (two, comma-separated, of different families: dual-stack, the first primary)")
 	nodeLifecycle := flag.Bool("node-lifecycle", false, "also run the node-lifecycle controller (a real kubelet)")
 	verbosity := flag.Int("v", 0, "log verbosity of the Kubernetes components")
 	flag.Parse()
@@ -97,14 +98,22 @@ func run(dir string, port int, o options) error {
 	if bind == nil {
 		return fmt.Errorf("--address %q is not an IP address", o.address)
 	}
-	_, services, err := net.ParseCIDR(o.serviceCIDR)
-	if err != nil {
-		return fmt.Errorf("--service-cidr: %w", err)
+	// One range, or two of different families (dual-stack; the first is the primary family: the
+	// `kubernetes` Service's, and every Service's that names none). The `kubernetes` Service
+	// takes the first address of the primary range; the first of each goes into the serving
+	// certificate.
+	sans := []net.IP{net.ParseIP("127.0.0.1"), bind}
+	for _, cidr := range strings.Split(o.serviceCIDR, ",") {
+		_, services, err := net.ParseCIDR(strings.TrimSpace(cidr))
+		if err != nil {
+			return fmt.Errorf("--service-cidr: %w", err)
+		}
+		first := append(net.IP(nil), services.IP...)
+		first[len(first)-1]++
+		sans = append(sans, first)
 	}
-	firstServiceIP := append(net.IP(nil), services.IP.To4()...)
-	firstServiceIP[3]++
 	started := time.Now()
-	dir, err = filepath.Abs(dir)
+	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return err
 	}
@@ -119,7 +128,6 @@ func run(dir string, port int, o options) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
-	sans := []net.IP{net.ParseIP("127.0.0.1"), bind, firstServiceIP}
 	pki, err := ensurePKI(filepath.Join(dir, "pki"), sans)
 	if err != nil {
 		return fmt.Errorf("certificates: %w", err)

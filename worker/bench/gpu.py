@@ -700,23 +700,17 @@ def cold_start() -> dict:
         }
         for run in ("cold_caches", "warm_caches", "warm_caches_again"):
             log(f"cold start: {run}")
-            # -P: not the working directory first on sys.path. From the repository's root it would
-            # put our kernels/ in place of the `kernels` package transformers imports.
-            args = [sys.executable, "-P", "-c", COLD_START_CHILD, str(path), DEVICE,
+            args = [sys.executable, "-c", COLD_START_CHILD, str(path), DEVICE,
                     str(SIZES["max_model_len"]), str(kv_bytes)]  # fmt: skip
             wall = time.perf_counter()
             done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
             wall = time.perf_counter() - wall
             if done.returncode != 0:
                 raise RuntimeError(f"{run}: exit {done.returncode}: {done.stderr[-2000:]}")
-            runs.append(
-                {"run": run, "process_wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
-            )
-    return {
-        "model": model_info,
-        "runs": runs,
-        "warm_over_cold_engine_ready": (runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"]),
-    }
+            child = json.loads(done.stdout.strip().splitlines()[-1])
+            runs.append({"run": run, "process_wall_s": wall, **child})
+    warm_over_cold = runs[1]["engine_ready_s"] / runs[0]["engine_ready_s"]
+    return {"model": model_info, "runs": runs, "warm_over_cold_engine_ready": warm_over_cold}
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -766,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         SIZES = SMOKE_SIZES
     if not torch.cuda.is_available():
-        from kvscale.kernels import triton_interpreting
+        from kvscale.kernels.dispatch import triton_interpreting
 
         if not (args.smoke and triton_interpreting()):
             error = (

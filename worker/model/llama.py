@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvscale.kernels import apply_rotary_embedding, fused_add_rms_norm, rms_norm, write_kv_cache
+from kvscale.kernels.dispatch import apply_rotary_embedding, fused_add_rms_norm, rms_norm
+from kvscale.kernels.kv_cache import write_kv_cache
 from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
 from kvscale.worker.model.attention.backend import AttentionBackend
 from kvscale.worker.model.attention.unified_attention import unified_attention

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvscale.kernels import triton_available, triton_interpreting
+from kvscale.kernels.dispatch import triton_available, triton_interpreting
 from kvscale.worker.model.attention.backend import AttentionBackend
 from kvscale.worker.model.attention.torch_backend import TorchAttentionBackend
 

@@ -7,8 +7,8 @@ from itertools import pairwise
 
 import torch
 
-from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
-from kvscale.kernels.paged_attention import decode_key_mask
+from kvscale.kernels.kv_cache import write_kv_cache
+from kvscale.kernels.paged_attention import decode_key_mask, paged_decode_attention, paged_prefill_attention
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 
 
