@@ -38,14 +38,16 @@ RUN groupadd --gid 1000 kvscale \
 WORKDIR /app
 
 # ---------------------------------------------------------------------------------------------
-# Builds the kvscale wheel (pure Python) once for both targets. Only the folders the package is
-# made of: pyproject.toml maps worker/, kernels/, operator/ to kvscale.worker/kernels/operator.
+# Builds the kvscale wheel (pure Python) once for every target. Only the folders the package is
+# made of: pyproject.toml maps common/, kernels/, worker/, operator/, router/ to kvscale.common etc.
 FROM base AS builder
 
 COPY pyproject.toml README.md ./
-COPY worker/ worker/
+COPY common/ common/
 COPY kernels/ kernels/
+COPY worker/ worker/
 COPY operator/ operator/
+COPY router/ router/
 RUN --mount=type=cache,target=/cache/pip,sharing=locked \
     pip wheel --cache-dir /cache/pip --no-deps --wheel-dir /wheels .
 
@@ -53,8 +55,9 @@ RUN --mount=type=cache,target=/cache/pip,sharing=locked \
 # The operator: the wheel with its `operator` extra, so what it needs is exactly what the
 # package metadata says (core dependencies + kopf, kubernetes, pyyaml; never torch). The pinned
 # set goes in first; the wheel then installs --no-index (a requirement the pins missed fails the
-# build instead of being fetched unpinned). The check imports every kvscale.operator module
-# (autoscaler: aiohttp, prometheus_client) and runs the command once (its logging setup too).
+# build instead of being fetched unpinned). The check imports every module of kvscale.operator,
+# kvscale.router and kvscale.common (aiohttp, prometheus_client, the kubernetes client, xxhash)
+# without torch, and runs the command once (its logging setup too).
 FROM base AS operator
 
 COPY requirements/operator.txt /tmp/requirements/
@@ -64,8 +67,9 @@ COPY --from=builder /wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[operator]" \
     && rm -rf /tmp/wheels /tmp/requirements \
     && pip check \
-    && python -c "import importlib, pkgutil, sys, kvscale.operator as op; \
-[importlib.import_module(m.name) for m in pkgutil.walk_packages(op.__path__, 'kvscale.operator.')]; \
+    && python -c "import importlib, pkgutil, sys, kvscale.common, kvscale.operator, kvscale.router; \
+[importlib.import_module(m.name) for p in (kvscale.common, kvscale.operator, kvscale.router) \
+ for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]; \
 assert 'torch' not in sys.modules, 'the operator image must not load torch'" \
     && kvscale-operator crd >/dev/null
 
@@ -77,12 +81,13 @@ ENTRYPOINT ["kvscale-operator"]
 CMD ["run"]
 
 # ---------------------------------------------------------------------------------------------
-# The router (kvscale-router, docs/router.md): cluster-side like the operator and made of the same
-# installed environment (the wheel's `operator` extra: aiohttp, the kubernetes client,
-# prometheus-client, xxhash): it adds only a check and its entrypoint, and never torch.
+# The router (kvscale-router, kvscale.router, docs/router.md): a package of its own, cluster-side
+# like the operator and made of the same installed environment (the wheel's `operator` extra:
+# aiohttp, the kubernetes client, prometheus-client, xxhash): it adds only a check and its
+# entrypoint, and never torch.
 FROM operator AS router
 
-RUN python -c "import sys, kvscale.operator.router.main; \
+RUN python -c "import sys, kvscale.router.main; \
 assert 'torch' not in sys.modules, 'the router image must not load torch'" \
     && kvscale-router --help >/dev/null
 

@@ -43,7 +43,13 @@ def test_operator_image_imports_everything_it_loads_and_starts(images):
         capture=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    for module in ("kvscale.operator.autoscaler", "kvscale.operator.handlers", "kvscale.operator.leader"):
+    for module in (
+        "kvscale.operator.autoscaler.scaler",
+        "kvscale.operator.handlers",
+        "kvscale.operator.kube.leader",
+        "kvscale.operator.reconcile.reconciler",
+        "kvscale.common.json_logging",
+    ):
         assert module in result.stderr
     assert "kind: CustomResourceDefinition" in result.stdout
 
@@ -145,8 +151,8 @@ def test_router_image_starts_without_torch_and_answers_its_probes(images):
     rt, built = images
     image, port = built.images["router"], _free_port()
     check = (
-        "import importlib, pkgutil, sys, kvscale.operator.router as r\n"
-        "mods = [m.name for m in pkgutil.walk_packages(r.__path__, 'kvscale.operator.router.')]\n"
+        "import importlib, pkgutil, sys, kvscale.router as r\n"
+        "mods = [m.name for m in pkgutil.walk_packages(r.__path__, 'kvscale.router.')]\n"
         "[importlib.import_module(m) for m in mods]\n"
         "assert 'torch' not in sys.modules\n"
     )

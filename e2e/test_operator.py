@@ -35,7 +35,7 @@ OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
 GROUP, VERSION, PLURAL = "kvscale.dev", "v1alpha1", "inferencedeployments"
 
 
-# What the suite's resources ask beyond the default admin policy (operator/policy.py): the
+# What the suite's resources ask beyond the default admin policy (operator/reconcile/admin_policy.py): the
 # pod-template test's PriorityClass and RuntimeClass, the stand-in Hub's plain-http endpoint on
 # the node (e2e/test_hf_model.py), which gets a token.
 E2E_POLICY = {
@@ -676,7 +676,7 @@ def test_only_the_lease_holder_acts(operator):
 
 
 # Granted for the autoscaler alone: exercised only when e2e/test_autoscaling.py runs too. (Pods
-# list and watch are not: the leader's pod cache, operator/pods.py, sends them from its start.)
+# list and watch are not: the leader's pod cache, operator/kube/pods.py, sends them from its start.)
 # replicasets get: the owner chain of each scraped pod (pods.Ownership); pod marks are bound per
 # namespace (the kvscale-operator-pod-marks ClusterRole), so no cluster-wide pods patch.
 AUTOSCALER_GRANTS = {
@@ -691,7 +691,7 @@ ADMISSION_GRANTS = {
     ("apps", "deployments", "delete"),
     ("", "services", "delete"),
     ("policy", "poddisruptionbudgets", "delete"),
-    # Also sent when a router is switched off (handlers._remove): no test here does.
+    # Also sent when a router is switched off (Reconciler._remove): no test here does.
     ("", "serviceaccounts", "delete"),
     ("rbac.authorization.k8s.io", "roles", "delete"),
     ("rbac.authorization.k8s.io", "rolebindings", "delete"),

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from kubernetes import client
 
-from kvscale.operator.router.endpoints import SliceWatcher
+from kvscale.router.endpoints import SliceWatcher
 
 
 @pytest.fixture

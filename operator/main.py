@@ -27,6 +27,7 @@ import threading
 import time
 
 from kvscale.operator.health import DEFAULT_STALL_S, Health, heartbeat, serve, watch_task
+from kvscale.operator.settings import Settings
 
 logger = logging.getLogger("kvscale.operator")
 EXIT_GRACE_S = 30.0  # after losing the lease, how long kopf may take to stop
@@ -73,7 +74,7 @@ def _fenced_login(fence):
         import aiohttp
         import kopf
 
-        from kvscale.operator.leader import fence_trace
+        from kvscale.operator.kube.leader import fence_trace
 
         info = kopf.login_via_client(**kwargs)  # in-cluster, else the kubeconfig, as kopf would
         if info is None:
@@ -106,14 +107,16 @@ def _timeouts(settings, **_) -> None:
     settings.watching.client_timeout = (settings.watching.server_timeout or 300) + 60
 
 
-async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | None = None) -> int:
-    """Run kopf while the lease is ours (leader.keep_renewing); when it is lost, stop kopf and
-    the autoscaler tasks (their writes are refused already, by the fence) and exit 1. A
-    heartbeat on this loop, and kopf's task, tell /healthz whether the loop still runs."""
+async def _lead(
+    lock, fence, registry, scaler, namespaces: tuple[str, ...] = (), health: Health | None = None
+) -> int:
+    """Run kopf, with the handlers of `registry` (handlers.Handlers.register), while the lease is ours
+    (leader.keep_renewing); when it is lost, stop kopf and the autoscaler's tasks (`scaler`: their
+    writes are refused already, by the fence) and exit 1. A heartbeat on this loop, and kopf's
+    task, tell /healthz whether the loop still runs."""
     import kopf
 
-    from kvscale.operator import autoscaler
-    from kvscale.operator.leader import RenewalThread, keep_renewing
+    from kvscale.operator.kube.leader import RenewalThread, keep_renewing
 
     health = health or Health()
     health.may_act = fence.may_act
@@ -132,7 +135,7 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
         if lost:
             logger.error("lost the lease; stopping", extra={"holder": lock.holder()})
             health.set_role("stopping")
-            autoscaler.stop_all()
+            scaler.stop_all()
             stop.set()
             # kopf stops within seconds; should it hang, a fenced process must not linger
             # (it would never stand by again): exit regardless.
@@ -140,15 +143,16 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
             timer.daemon = True
             timer.start()
 
-    kopf.on.login()(_fenced_login(fence))
-    kopf.on.startup()(_timeouts)
+    kopf.on.login(registry=registry)(_fenced_login(fence))
+    kopf.on.startup(registry=registry)(_timeouts)
     if namespaces:
-        kopf.on.startup()(_namespaced_settings)
+        kopf.on.startup(registry=registry)(_namespaced_settings)
     keeper = asyncio.create_task(guard())
     try:
         # standalone: our Lease replaces kopf's peering; kopf stops on SIGTERM or on `stop`.
         running = asyncio.create_task(
-            kopf.operator(standalone=True, stop_flag=stop, **kopf_scope(namespaces)), name="kopf"
+            kopf.operator(registry=registry, standalone=True, stop_flag=stop, **kopf_scope(namespaces)),
+            name="kopf",
         )
         watch_task(health, running, "kopf's main task")
         await running
@@ -157,7 +161,7 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
         stop.set()
         keeper.cancel()
         beating.cancel()
-        autoscaler.stop_all()
+        scaler.stop_all()
         if not lost and not fence.may_act():  # kopf stopped first (e.g. on a refused write)
             logger.error("lost the lease: the renew deadline passed; stopping")
     try:
@@ -170,14 +174,26 @@ async def _lead(lock, fence, namespaces: tuple[str, ...] = (), health: Health | 
         renewal_thread.shutdown(wait=False)
 
 
+def build(settings: Settings, api) -> tuple:
+    """The operator's parts over one Kubernetes ApiClient: (the kopf registry with every
+    handler, the reconciler, the autoscaler)."""
+    import kopf
+
+    from kvscale.operator.autoscaler.scaler import Scaler
+    from kvscale.operator.handlers import Handlers
+    from kvscale.operator.kube.client import Kube
+    from kvscale.operator.reconcile.reconciler import Reconciler
+
+    kube = Kube(api, settings.watch_namespaces)
+    reconciler, scaler = Reconciler(kube, settings), Scaler(kube)
+    return Handlers(reconciler, scaler).register(kopf.OperatorRegistry()), reconciler, scaler
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kubernetes import client
 
-    # Imported (the handlers registered) before standing by: a standby that wins starts at once.
-    import kvscale.operator.autoscaler  # noqa: F401 (registers the autoscaler's event handler)
-    from kvscale.operator import handlers
-    from kvscale.operator.handlers import api
-    from kvscale.operator.leader import (
+    from kvscale.operator.kube.client import load_api_client
+    from kvscale.operator.kube.leader import (
         JITTER,
         Fence,
         LeaseLock,
@@ -187,17 +203,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
     timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
-    handlers.watch_namespaces = args.watch_namespaces  # the resync lists in these only
+    settings = Settings.from_env(watch_namespaces=args.watch_namespaces)
     health = Health(args.liveness_timeout)
     if args.health_port:
         serve(health, args.health_host, args.health_port)
-    # Every request of handlers.api() (the handlers', the autoscaler's) goes through the fence,
+    # Every request of this client (the reconciler's, the autoscaler's) goes through the fence,
     # with a timeout; the Lease has a client of its own, outside the fence, with its own pool
     # and timeouts below the renew deadline (no re-sends inside urllib3 either, so none of its
     # writes leaves after its attempt's deadline).
+    api = load_api_client()
     fence = Fence(timings)
-    fence_api_client(api(), fence)
-    coordination = client.CoordinationV1Api(lease_api_client(api().configuration, timings))
+    fence_api_client(api, fence)
+    # Built (the handlers registered) before standing by: a standby that wins starts at once.
+    registry, _, scaler = build(settings, api)
+    coordination = client.CoordinationV1Api(lease_api_client(api.configuration, timings))
     lock = LeaseLock(coordination, args.namespace, args.lease_name, args.identity, timings)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -232,11 +251,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if stopping.is_set():
         lock.release(timings.retry_period_s)
         return 0
-    return asyncio.run(_lead(lock, fence, args.watch_namespaces, health))
+    return asyncio.run(_lead(lock, fence, registry, scaler, args.watch_namespaces, health))
 
 
 def cmd_crd(args: argparse.Namespace) -> int:
-    from kvscale.operator.crd import crd_yaml, reference_markdown
+    from kvscale.operator.api.crd import crd_yaml, reference_markdown
 
     sys.stdout.write(reference_markdown() if args.markdown else crd_yaml())
     return 0
@@ -310,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
-        from kvscale.operator.leader import JITTER, Timings
+        from kvscale.operator.kube.leader import JITTER, Timings
 
         try:
             timings = Timings(args.lease_duration, args.renew_deadline, args.retry_period)
@@ -325,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
 
-    from kvscale.worker.server.json_logging import configure_logging
+    from kvscale.common.json_logging import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     return args.func(args)

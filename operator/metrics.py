@@ -87,25 +87,6 @@ POD_CACHE_RELISTS = Counter(
 )
 
 
-def error_kind(error: BaseException | None = None, *, status: int | None = None) -> str:
-    """The `kind` label of an error: from an API status code, or from the exception."""
-    from kubernetes.client.rest import ApiException
-    from urllib3.exceptions import HTTPError
-
-    from kvscale.operator.heal import permanent
-    from kvscale.operator.leader import NotLeader
-
-    if isinstance(error, NotLeader):
-        return "not_leader"
-    if isinstance(error, ApiException):
-        status = error.status
-    if status is not None:
-        return "api_rejected" if permanent(status) else "api_transient"
-    if isinstance(error, (HTTPError, OSError, TimeoutError)):
-        return "network"
-    return "internal"
-
-
 def reconciled(result: str) -> None:
     RECONCILES.labels(result).inc()
 

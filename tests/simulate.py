@@ -10,8 +10,8 @@ concurrency, a bounded queue answering 429, model load time for new workers, dra
 serves a seeded trace with bursts and long-tailed prompt and output lengths. The same trace is
 served under each policy:
 
-- `kvscale`: the operator's own autoscaler, the `kvscale.operator.autoscaling.Autoscaler` object
-  operator/autoscaler.py drives (history, startups measured per pod, the look-ahead, `decide`),
+- `kvscale`: the operator's own autoscaler, the `kvscale.operator.autoscaler.policy.Autoscaler` object
+  operator/autoscaler/scaler.py drives (history, startups measured per pod, the look-ahead, `decide`),
   with the defaults of `AutoscalingSpec` (what a user gets without tuning);
 - `request-count`: KubeAI's algorithm: replicas = ceil(moving average of active requests /
   targetRequests), averaged over its default 10-minute window, sampled every 10 s, scale-down
@@ -24,7 +24,7 @@ served under each policy:
   capacity (static peak's), so the distance to it is what forecasting could still win.
 
 Requests reach the workers through the router's own picking function
-(`kvscale.operator.router.picker.pick`: its filter, bounded-load guard and KV/queue scores; the
+(`kvscale.router.picker.pick`: its filter, bounded-load guard and KV/queue scores; the
 simulated prompts carry no text, so no prefix affinity) and, when no worker can take one, wait in
 a router queue (its 256 bound and 60 s timeout), whose length and arrival count the operator's
 autoscaler reads as it reads the real router's. The `kvscale-round-robin` row is our autoscaler
@@ -50,9 +50,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kvscale.operator.autoscaling import Autoscaler, Params, PodLoad, PodTiming, RouterLoad, Sample
-from kvscale.operator.models import AutoscalingSpec
-from kvscale.operator.router.picker import Candidate, PickerConfig, pick, pick_round_robin
+from kvscale.operator.api.autoscaling import AutoscalingSpec
+from kvscale.operator.autoscaler.policy import Autoscaler, Params, PodLoad, PodTiming, RouterLoad, Sample
+from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
 
 # -- the worker model -------------------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class Policy:
 
 
 class KvscalePolicy(Policy):
-    """The operator's autoscaler: the same `Autoscaler` object operator/autoscaler.py drives, fed
+    """The operator's autoscaler: the same `Autoscaler` object operator/autoscaler/scaler.py drives, fed
     what the operator reads from each pod (its status and its /metrics)."""
 
     name = "kvscale"

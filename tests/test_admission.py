@@ -14,8 +14,8 @@ import celpy
 import pytest
 import yaml
 
-from kvscale.operator.children import Owner, all_children
-from kvscale.operator.models import InferenceDeploymentSpec
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.reconcile.children import Owner, all_children
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY, BINDING = [

@@ -10,9 +10,9 @@ import kopf
 import pytest
 from kubernetes.client.rest import ApiException
 
-from kvscale.operator import handlers
-from kvscale.operator.children import key_of
-from kvscale.operator.heal import api_error_refusal, api_refusal, backoff_s
+from kvscale.operator.api.labels import MANAGER
+from kvscale.operator.reconcile.children import key_of
+from kvscale.operator.reconcile.heal import api_error_refusal, api_refusal, backoff_s
 from tests.test_selfheal_units import cluster, degraded, reconcile  # noqa: F401 (the fixture)
 
 QUOTA = (
@@ -70,15 +70,15 @@ def test_a_fixed_quota_or_policy_recovers_without_a_spec_edit(cluster, monkeypat
     denied = {"on": True}
     apply = cluster.apply
 
-    def quota(obj, manager=handlers.MANAGER):
+    def quota(obj, manager=MANAGER):
         if denied["on"] and key_of(obj) == "Service":
             cluster.calls.append(("patch", "Service"))
             raise _exception(403, "Forbidden", message)
         return apply(obj, manager)
 
-    monkeypatch.setattr(handlers, "server_side_apply", quota)
+    monkeypatch.setattr(cluster, "apply", quota)
     with pytest.raises(kopf.TemporaryError) as raised:  # kopf retries it, backed off
-        reconcile(retry=1)
+        reconcile(cluster, retry=1)
     assert raised.value.delay == backoff_s(2)
     assert degraded(cluster)["reason"] == reason and message in degraded(cluster)["message"]
     warnings = [e for e in cluster.events if e[0] == "warn"]
@@ -89,23 +89,23 @@ def test_a_fixed_quota_or_policy_recovers_without_a_spec_edit(cluster, monkeypat
     tries = cluster.calls.count(("patch", "Service"))
     delays = []
     for _ in range(3):
-        handlers.sync_or_retry("ns", "tiny")  # what the resync does for each resource
-        delays.append(backoff_s(handlers.retries._failures[("ns", "tiny")]))
+        cluster.reconciler.sync_or_retry("ns", "tiny")  # what the resync does for each resource
+        delays.append(backoff_s(cluster.reconciler.retries._failures[("ns", "tiny")]))
     assert cluster.calls.count(("patch", "Service")) == tries + 3
     assert delays == [2, 4, 8]  # backing off, doubling (to at most 5 min)
     assert len([c for c in cluster.writes() if c[1].startswith("status/")]) == writes  # reported once
     assert len([e for e in cluster.events if e[0] == "warn"]) == 1
     # The admin raises the quota (or fixes the policy): the next try applies it, no spec edit.
     denied["on"] = False
-    handlers.sync_or_retry("ns", "tiny", apply_all=True)  # the retry queue's sync
+    cluster.reconciler.sync_or_retry("ns", "tiny", apply_all=True)  # the retry queue's sync
     assert "Service" in cluster.objects and cluster.resource["status"]["observedGeneration"] == 1
-    assert degraded(cluster)["status"] == "False" and not handlers.retries._due
+    assert degraded(cluster)["status"] == "False" and not cluster.reconciler.retries._due
 
 
 def test_an_invalid_spec_stays_final(cluster):  # noqa: F811
     cluster.refuse["Deployment"] = 422
-    reconcile()  # no TemporaryError
+    reconcile(cluster)  # no TemporaryError
     assert degraded(cluster)["reason"] == "ApplyRejected"
     cluster.calls.clear()
-    handlers.sync_or_retry("ns", "tiny")
-    assert cluster.writes() == [] and handlers.retries.pop_due() == []
+    cluster.reconciler.sync_or_retry("ns", "tiny")
+    assert cluster.writes() == [] and cluster.reconciler.retries.pop_due() == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale.worker.server.errors import APIError
+from kvscale.common.errors import APIError
 from kvscale.worker.server.openai_serving import (
     bound_unstreamed,
     default_unstreamed_budget,

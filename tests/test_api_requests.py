@@ -1,5 +1,5 @@
-"""The requests the InferencePool's calls (operator/inferencepool.py, through handlers) and the
-router's scale-from-zero ask (operator/router/wake.py) send, made by the real kubernetes client
+"""The requests the InferencePool's calls (kube/inferencepool.py, through kube/client.py) and the
+router's scale-from-zero ask (router/wake.py) send, made by the real kubernetes client
 against a stand-in API server (a local HTTP server that records each request and answers with
 canned objects: tests only)."""
 
@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from kubernetes import client
 
-from kvscale.operator import handlers, inferencepool
-from kvscale.operator.router.wake import scale_up_from_zero
+from kvscale.operator.kube import inferencepool
+from kvscale.operator.kube.client import Kube
+from kvscale.router.wake import scale_up_from_zero
 
 DISCOVERY = {
     "kind": "APIResourceList",
@@ -60,24 +61,23 @@ def api_server(monkeypatch):
     cfg = client.Configuration()
     cfg.host = f"http://127.0.0.1:{server.server_address[1]}"
     api = client.ApiClient(cfg)
-    monkeypatch.setattr(handlers, "api", lambda: api)
-    monkeypatch.setattr(handlers, "watch_namespaces", ())
     yield api, seen
     server.shutdown()
 
 
 def test_the_inference_pool_is_discovered_read_applied_listed_and_deleted_as_the_api_expects(api_server):
     api, seen = api_server
+    kube = Kube(api)
     assert inferencepool.served(client.CustomObjectsApi(api), 30)
-    assert handlers.read("InferencePool", "tiny", "ns")["kind"] == "InferencePool"
+    assert kube.read("InferencePool", "tiny", "ns")["kind"] == "InferencePool"
     pool = {
         "apiVersion": POOL["apiVersion"],
         "kind": "InferencePool",
         "metadata": {"name": "tiny", "namespace": "ns"},
     }
-    handlers.server_side_apply({**pool, "spec": {"targetPorts": [{"number": 8000}]}})
-    assert handlers.list_children("InferencePool") == []
-    handlers.delete("InferencePool", "tiny", "ns")
+    kube.apply({**pool, "spec": {"targetPorts": [{"number": 8000}]}})
+    assert kube.list_children("InferencePool") == []
+    kube.delete("InferencePool", "tiny", "ns")
     base = "/apis/inference.networking.k8s.io/v1"
     assert [(m, p, t) for m, p, t, _ in seen] == [
         ("GET", base, None),

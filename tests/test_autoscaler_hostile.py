@@ -12,8 +12,8 @@ import psutil
 import pytest
 from aiohttp import web
 
-from kvscale.operator import autoscaler
-from kvscale.operator.pods import Ownership, url_of
+from kvscale.operator.autoscaler import scaler, scrape
+from kvscale.operator.kube.pods import Ownership, url_of
 from tests.test_autoscaler_io import OWNERS, ctrl, pod, rs_ref, tick  # noqa: F401 (the fixture)
 
 EXPOSITION = (
@@ -37,9 +37,9 @@ async def _serve(host: str, handler) -> tuple[web.AppRunner, int]:
 async def _scrape_from(host: str, handler, **kwargs):
     runner, port = await _serve(host, handler)
     try:
-        async with autoscaler.new_session() as session:
+        async with scrape.new_session() as session:
             started = time.monotonic()
-            result = await autoscaler.scrape(session, host, port=port, **kwargs)
+            result = await scrape.scrape(session, host, port=port, **kwargs)
             return result, time.monotonic() - started
     finally:
         await runner.cleanup()
@@ -61,7 +61,7 @@ def test_an_endless_metrics_body_is_unreadable_fast_and_costs_no_memory():
     result, took = asyncio.run(_scrape_from("127.0.0.1", endless))
     grown = process.memory_info().rss - rss
     assert result is None  # unreadable, not parsed
-    assert took < autoscaler.SCRAPE_TIMEOUT_S  # abandoned at the cap, not at the deadline
+    assert took < scrape.SCRAPE_TIMEOUT_S  # abandoned at the cap, not at the deadline
     assert sent[0] < SAFETY_BYTES  # the client hung up
     assert grown < 8 << 20, f"RSS grew {grown} bytes"
 
@@ -75,7 +75,7 @@ def test_a_declared_huge_body_is_refused_before_reading_it():
         return response
 
     result, took = asyncio.run(_scrape_from("127.0.0.1", huge))
-    assert result is None and took < autoscaler.SCRAPE_TIMEOUT_S
+    assert result is None and took < scrape.SCRAPE_TIMEOUT_S
 
 
 def test_a_gzip_bomb_is_not_inflated():
@@ -148,11 +148,11 @@ def test_a_worker_on_an_ipv6_address_is_scraped():
 def _scraped_ips(tick, monkeypatch) -> list[str]:  # noqa: F811
     asked: list[str] = []
 
-    async def scrape(session, ip, parse=autoscaler.parse_metrics, **_):
+    async def fake_scrape(session, ip, parse=scrape.parse_metrics, **_):
         asked.append(ip)
         return {"kv_usage": 0.5, "waiting": 0.0, "running": 1.0, "arrivals": 10.0}
 
-    monkeypatch.setattr(autoscaler, "scrape", scrape)
+    monkeypatch.setattr(scaler, "scrape", fake_scrape)
     decision = tick.run()
     assert decision is not None
     return asked

@@ -1,4 +1,4 @@
-"""The autoscaler's I/O without a cluster: its pods come from one watch-fed cache (operator/pods.py),
+"""The autoscaler's I/O without a cluster: its pods come from one watch-fed cache (kube/pods.py),
 not from a LIST per tick; its status is written when it changes; its metrics move."""
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from kvscale.operator import autoscaler, handlers, metrics
-from kvscale.operator.autoscaler import Target
-from kvscale.operator.children import LABEL_NAME, LABEL_OWNER, WORKER
-from kvscale.operator.models import KIND
-from kvscale.operator.pods import Ownership, PodCache, feed
+from kvscale.operator import metrics
+from kvscale.operator.api.groupversion import KIND
+from kvscale.operator.api.labels import LABEL_NAME, LABEL_OWNER, WORKER
+from kvscale.operator.autoscaler import scaler
+from kvscale.operator.autoscaler.pod_state import pod_state
+from kvscale.operator.autoscaler.scaler import Scaler, Target
+from kvscale.operator.kube.pods import Ownership, PodCache, feed
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -89,7 +91,7 @@ def test_the_cache_yields_each_resources_pods_after_adds_modifies_and_deletes():
     cache.apply("DELETED", pod("b-1", "b"))
     assert names(cache.of("ns", "a")) == ["a-1", "a-3"] and cache.of("ns", "b") == []
     (a1,) = [p for p in cache.of("ns", "a") if p.metadata.name == "a-1"]
-    assert a1.metadata.resource_version == "2" and autoscaler.pod_state(a1) == "starting"
+    assert a1.metadata.resource_version == "2" and pod_state(a1) == "starting"
     # A LIST of one namespace replaces that namespace's pods only.
     cache.replace([pod("c-1", "c", "other")], namespace="other")
     assert names(cache.of("other", "c")) == ["c-1"] and cache.of("other", "a") == []
@@ -177,7 +179,7 @@ def test_the_api_watcher_streams_pods_and_bookmarks_and_raises_410(monkeypatch):
     """pods.api_watcher through the kubernetes client's own Watch, over a fake HTTP response."""
     import json
 
-    from kvscale.operator.pods import POD_SELECTOR, api_watcher
+    from kvscale.operator.kube.pods import POD_SELECTOR, api_watcher
 
     lines = [
         {"type": "ADDED", "object": client.ApiClient().sanitize_for_serialization(pod("a-1", rv="5"))},
@@ -293,19 +295,23 @@ def tick(monkeypatch):
 
     CountingCore.calls = []
     Apps.replicas = 2
-    monkeypatch.setattr(autoscaler, "_pods", cache)
-    owners = Ownership(lambda kind, ns, name: OWNERS.get((kind, ns, name)))
-    monkeypatch.setattr(autoscaler, "_owners", owners)
-    monkeypatch.setattr(autoscaler, "scrape", scrape)
-    monkeypatch.setattr(autoscaler, "_api", lambda: None)
-    monkeypatch.setattr(autoscaler.client, "CoreV1Api", CountingCore)
-    monkeypatch.setattr(autoscaler.client, "AppsV1Api", Apps)
-    monkeypatch.setattr(autoscaler.client, "CustomObjectsApi", Custom)
-    monkeypatch.setattr(autoscaler.kopf, "info", lambda *a, **k: None)
-    monkeypatch.setattr(handlers, "apply_status", lambda ns, name, status, manager: writes.append(status))
+    monkeypatch.setattr(scaler, "scrape", scrape)
+    monkeypatch.setattr(scaler.client, "CoreV1Api", CountingCore)
+    monkeypatch.setattr(scaler.client, "AppsV1Api", Apps)
+    monkeypatch.setattr(scaler.client, "CustomObjectsApi", Custom)
+    monkeypatch.setattr(scaler.kopf, "info", lambda *a, **k: None)
+    # The Kubernetes API as the autoscaler uses it: the (patched) typed clients, its status writes.
+    kube = SimpleNamespace(
+        api=None, namespaces=(), apply_status=lambda ns, name, status, manager: writes.append(status)
+    )
+    autoscaler = Scaler(kube)
+    autoscaler.pods = cache
+    autoscaler.owners = owners = Ownership(lambda kind, ns, name: OWNERS.get((kind, ns, name)))
     target = Target("tiny", "ns", "uid-1", dict(SPEC))
     run = lambda: asyncio.run(autoscaler.step(target, None))  # noqa: E731
-    return SimpleNamespace(target=target, run=run, writes=writes, scraped=scraped, cache=cache, owners=owners)
+    return SimpleNamespace(
+        target=target, run=run, writes=writes, scraped=scraped, cache=cache, owners=owners, scaler=autoscaler
+    )
 
 
 def counter(metric, *labels) -> float:
@@ -346,20 +352,17 @@ def test_a_new_leader_does_not_rewrite_what_the_object_already_shows(tick, monke
         "status": {"autoscaling": {**written["autoscaling"]}},
     }
     created: list = []
-    monkeypatch.setattr(
-        autoscaler.asyncio, "create_task", lambda coro, name=None: created.append(coro.close())
-    )
-    monkeypatch.setattr(autoscaler, "_targets", {})
-    asyncio.run(autoscaler.track(body=body, type=None))  # the new leader's first event
-    fresh = autoscaler._targets["uid-1"]
+    monkeypatch.setattr(scaler.asyncio, "create_task", lambda coro, name=None: created.append(coro.close()))
+    asyncio.run(tick.scaler.track(body=body, type=None))  # the new leader's first event
+    fresh = tick.scaler.targets["uid-1"]
     fresh.scaler = tick.target.scaler  # the same load seen
     tick.writes.clear()
-    asyncio.run(autoscaler.step(fresh, None))
+    asyncio.run(tick.scaler.step(fresh, None))
     assert tick.writes == []
 
 
 def test_scrape_failures_are_counted_per_resource_and_a_change_is_written(tick, monkeypatch):
-    monkeypatch.setattr(autoscaler, "STATUS_MIN_INTERVAL_S", 0.0)  # the gauges too, at once
+    monkeypatch.setattr(scaler, "STATUS_MIN_INTERVAL_S", 0.0)  # the gauges too, at once
     tick.run()
     failures = counter(metrics.SCRAPE_FAILURES, "ns", "tiny")
     (one, _) = tick.cache.of("ns", "tiny")

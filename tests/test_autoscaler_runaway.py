@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 
-from kvscale.operator.autoscaler import pod_timing
-from kvscale.operator.autoscaling import (
+from kvscale.operator.autoscaler.pod_state import pod_timing
+from kvscale.operator.autoscaler.policy import (
     Autoscaler,
     Params,
     PodLoad,
@@ -106,7 +106,7 @@ def test_a_pod_is_measured_once_a_flap_or_restart_later_changes_nothing():
 
 
 def test_the_budget_comes_from_the_spec():
-    from kvscale.operator.models import InferenceDeploymentSpec
+    from kvscale.operator.api.spec import InferenceDeploymentSpec
 
     spec = InferenceDeploymentSpec.model_validate(
         {"model": {"uri": "/m"}, "autoscaling": {"maxReplicas": 3}, "server": {"startupTimeoutSeconds": 120}}

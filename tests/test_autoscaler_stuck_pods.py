@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from kubernetes import client
 
-from kvscale.operator.autoscaler import pod_state
-from kvscale.operator.autoscaling import Params, PodLoad, RouterLoad, Sample, decide, signals
+from kvscale.operator.autoscaler.pod_state import pod_state
+from kvscale.operator.autoscaler.policy import Params, PodLoad, RouterLoad, Sample, decide, signals
 from tests.test_autoscaler_io import pod, tick  # noqa: F401 (the fixture)
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)

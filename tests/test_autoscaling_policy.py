@@ -1,4 +1,4 @@
-"""The autoscaling policy (operator/autoscaling.py): unit and property tests."""
+"""The autoscaling policy (operator/autoscaler/policy.py): unit and property tests."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscale.operator.autoscaling import (
+from kvscale.operator.api.autoscaling import AutoscalingSpec
+from kvscale.operator.autoscaler.policy import (
     Params,
     PodLoad,
     RouterLoad,
@@ -18,7 +19,6 @@ from kvscale.operator.autoscaling import (
     least_loaded,
     signals,
 )
-from kvscale.operator.models import AutoscalingSpec
 
 P = Params(
     min_replicas=1,
@@ -289,14 +289,14 @@ def test_load_oscillating_around_a_threshold_never_flaps(kv_a, kv_b, q_a, q_b, p
     assert len(set(moves)) <= 1, moves
 
 
-# -- the autoscaler's pure helpers (operator/autoscaler.py) -------------------------------------
+# -- the autoscaler's pure helpers (operator/autoscaler/scrape.py, pod_state.py) -----------------
 
 
 def test_metrics_are_read_under_our_names_or_vllms():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvscale.operator.autoscaler import parse_metrics
-    from kvscale.worker.server.metrics import EngineMetrics
+    from kvscale.operator.autoscaler.scrape import parse_metrics
+    from kvscale.worker.metrics.prometheus import EngineMetrics
 
     metrics = EngineMetrics("m", CollectorRegistry())
     metrics.kv_cache_usage.set(0.625)
@@ -321,7 +321,7 @@ def test_pod_states():
 
     from kubernetes import client
 
-    from kvscale.operator.autoscaler import pod_state
+    from kvscale.operator.autoscaler.pod_state import pod_state
 
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -416,10 +416,10 @@ def test_router_arrivals_are_the_arrival_signal_when_read():
 def test_the_routers_metrics_are_read_from_its_own_exposition():
     from prometheus_client import generate_latest
 
-    from kvscale.operator.autoscaler import parse_router_metrics
-    from kvscale.operator.router.endpoints import StaticEndpoints
-    from kvscale.operator.router.server import Router
-    from kvscale.operator.router.state import RouterState
+    from kvscale.operator.autoscaler.scrape import parse_router_metrics
+    from kvscale.router.endpoints import StaticEndpoints
+    from kvscale.router.server import Router
+    from kvscale.router.state import RouterState
 
     r = Router(RouterState(), StaticEndpoints([]))
     assert parse_router_metrics(generate_latest(r.metrics.registry).decode()) == {

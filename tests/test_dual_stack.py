@@ -12,7 +12,7 @@ import pytest
 
 from kvscale.operator import main as operator_main
 from kvscale.operator.health import Health, serve
-from kvscale.operator.router import main as router_main
+from kvscale.router import main as router_main
 from kvscale.worker import cli as worker_cli
 from kvscale.worker.server.api_server import ServerConfig
 

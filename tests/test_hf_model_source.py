@@ -13,16 +13,18 @@ from pydantic import ValidationError
 from test_operator_specs import crd_errors, resource, spec_of
 from test_operator_units import deployment_status
 
-from kvscale.operator import handlers
-from kvscale.operator.children import Owner, deployment
-from kvscale.operator.models import InferenceDeploymentSpec
-from kvscale.operator.status import (
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.handlers import Handlers
+from kvscale.operator.reconcile.children import Owner, deployment
+from kvscale.operator.reconcile.reconciler import Reconciler
+from kvscale.operator.reconcile.status import (
     PodDownload,
     compute_status,
     download_condition,
     pod_download,
     status_changed,
 )
+from kvscale.operator.settings import Settings
 from kvscale.worker.cli import main as worker_cli
 
 HF_MESSAGE = "hf:// needs a Hugging Face repository"
@@ -316,8 +318,9 @@ def test_a_crash_looping_download_is_reported_once(monkeypatch):
     """Each restart of the failing init container is a pod event; the status is written (and
     the Degraded event posted) at the first failure only."""
     synced: list[str] = []
-    monkeypatch.setattr(handlers, "sync_or_retry", lambda ns, name, **kw: synced.append(name))
-    monkeypatch.setattr(handlers, "_downloads", {})
+    reconciler = Reconciler(None, Settings())
+    monkeypatch.setattr(reconciler, "sync_or_retry", lambda ns, name, **kw: synced.append(name))
+    handlers = Handlers(reconciler, None)
     writes, status = 0, {"conditions": []}
     events = [("ADDED", RUNNING), ("MODIFIED", FAILED)]
     events += [("MODIFIED", crash_loop(n, running=bool(n % 2))) for n in range(1, 8)]
@@ -329,7 +332,7 @@ def test_a_crash_looping_download_is_reported_once(monkeypatch):
             deployment=deployment_status(2, 0, 2, 2),
             previous_conditions=status["conditions"],
             now="t",
-            download=download_condition(handlers.downloads_of("ns", "tiny")),
+            download=download_condition(reconciler.pods.downloads_of("ns", "tiny")),
         )
         if len(synced) > before and status_changed(status, new):
             writes, status = writes + 1, new
@@ -337,7 +340,7 @@ def test_a_crash_looping_download_is_reported_once(monkeypatch):
     assert writes == 2 and conditions_of(status)["Degraded"]["reason"] == "ModelDownloadFailed"
     handlers.pod_changed(body=worker_pod(DONE), type="MODIFIED")  # a later run succeeded
     handlers.pod_changed(body=worker_pod(DONE), type="DELETED")
-    assert synced == ["tiny"] * 3 and handlers.downloads_of("ns", "tiny") == []
+    assert synced == ["tiny"] * 3 and reconciler.pods.downloads_of("ns", "tiny") == []
 
 
 def worker_image_env() -> dict[str, str]:

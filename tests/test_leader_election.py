@@ -1,4 +1,4 @@
-"""Leader election and fencing (operator/leader.py), client-go's rules, on a fake clock:
+"""Leader election and fencing (operator/kube/leader.py), client-go's rules, on a fake clock:
 
 - a candidate judges expiry by its own clock since it saw the lease record change, never by the
   holder's timestamps (a holder's clock hours behind or ahead changes nothing);
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from kvscale.operator.leader import (
+from kvscale.operator.kube.leader import (
     Fence,
     LeaseLock,
     NotLeader,
@@ -698,7 +698,7 @@ def test_a_frozen_api_server_the_leader_acts_to_its_deadline_then_steps_down_onc
     no storm), and the renewal thread is free again rather than stuck on a dead socket."""
     from kubernetes.client import CoordinationV1Api
 
-    from kvscale.operator.leader import RenewalThread, lease_api_client
+    from kvscale.operator.kube.leader import RenewalThread, lease_api_client
 
     timings = Timings(lease_duration_s=3, renew_deadline_s=1.5, retry_period_s=0.2)
     api = lease_api_client(client.Configuration(host=lease_server), timings)
@@ -723,7 +723,7 @@ def test_a_frozen_api_server_the_leader_acts_to_its_deadline_then_steps_down_onc
             await asyncio.sleep(0.02)
         return renewing.result(), time.monotonic(), frozen_at, last_renewal, samples
 
-    caplog.set_level(logging.ERROR, logger="kvscale.operator.leader")
+    caplog.set_level(logging.ERROR, logger="kvscale.operator.kube.leader")
     lost, lost_at, frozen_at, last_renewal, samples = asyncio.run(asyncio.wait_for(run(), timeout=10))
     assert lost and not fence.may_act()
     assert last_renewal <= frozen_at  # no renewal got through the frozen server

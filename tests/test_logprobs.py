@@ -116,7 +116,7 @@ def serving():
 
 
 def test_chat_logprob_bytes_are_the_tokens_own_bytes(serving):
-    from kvscale.worker.core.request import TokenLogprobs
+    from kvscale.worker.sample.logprobs import TokenLogprobs
 
     tok = serving.tokenizer
     ids = tok.encode(TEXT)[1:]  # without <s>
@@ -134,7 +134,7 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes(serving):
 
 
 def test_completion_top_logprobs_keep_tokens_that_share_a_text(serving):
-    from kvscale.worker.core.request import TokenLogprobs
+    from kvscale.worker.sample.logprobs import TokenLogprobs
 
     tok = serving.tokenizer
     a, b = [i for i in tok.encode(TEXT)[1:] if tok.decode([i]) == "\ufffd"][:2]

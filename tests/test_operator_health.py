@@ -132,8 +132,10 @@ def test_the_leader_beats_on_its_loop_and_is_not_live_once_kopf_ended(monkeypatc
     with an error, the process still up) turns liveness off, and the role to stopping."""
     import kopf
 
-    from kvscale.operator import leader, main
-    from kvscale.operator.leader import Fence, Timings
+    from kvscale.operator import main
+    from kvscale.operator.kube import leader
+    from kvscale.operator.kube.leader import Fence, Timings
+    from kvscale.operator.settings import Settings
 
     beats: list[float] = []
     health = Health(stall_s=5)
@@ -157,7 +159,8 @@ def test_the_leader_beats_on_its_loop_and_is_not_live_once_kopf_ended(monkeypatc
     fence.renewed(time.monotonic())
     lock = type("Lock", (), {"release": lambda self, timeout: None, "holder": lambda self: "me"})()
     with pytest.raises(RuntimeError, match="kopf crashed"):
-        asyncio.run(main._lead(lock, fence, (), health))
+        registry, _, scaler = main.build(Settings(), None)
+        asyncio.run(main._lead(lock, fence, registry, scaler, (), health))
     assert len(set(beats)) == 3  # a fresh beat each time the loop was looked at
     ok, why = health.live()
     assert not ok and "kopf's main task ended: kopf crashed" in why

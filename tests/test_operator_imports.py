@@ -1,7 +1,7 @@
 """What the images install: every package folder is in the wheel, and the operator and router
-images, which install only the `operator` extra, import every kvscale.operator module without the
-worker's dependencies (the images' smoke checks do the same at build time; these find it before
-an image is built: an editable install hides both)."""
+images, which install only the `operator` extra, import every module of kvscale.operator,
+kvscale.router and kvscale.common without the worker's dependencies (the images' smoke checks do
+the same at build time; these find it before an image is built: an editable install hides both)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tomllib
 from model_fixtures import REPO
 
 
-def test_every_operator_module_imports_without_the_worker_only_dependencies():
+def test_every_operator_router_and_common_module_imports_without_the_worker_only_dependencies():
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     worker_only = {
         r.split(">")[0].split("<")[0].split("=")[0].strip() for r in meta["optional-dependencies"]["worker"]
@@ -21,8 +21,10 @@ def test_every_operator_module_imports_without_the_worker_only_dependencies():
     assert {"torch", "transformers", "xgrammar"} <= set(modules)
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in modules)  # an import of it fails
     code = (
-        f"import sys, importlib, pkgutil; {blocked}; import kvscale.operator as op; "
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(op.__path__, 'kvscale.operator.')]"
+        f"import sys, importlib, pkgutil; {blocked}; "
+        "import kvscale.common, kvscale.operator, kvscale.router; "
+        "[importlib.import_module(m.name) for p in (kvscale.common, kvscale.operator, kvscale.router) "
+        "for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

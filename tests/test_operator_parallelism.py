@@ -18,8 +18,9 @@ from lws import lws_crd_path
 from pydantic import ValidationError
 from test_operator_specs import crd_errors, resource
 
-from kvscale.operator import leaderworkerset
-from kvscale.operator.children import (
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.kube import leaderworkerset
+from kvscale.operator.reconcile.children import (
     LWS_WORKER_INDEX,
     MASTER_PORT,
     Owner,
@@ -29,8 +30,7 @@ from kvscale.operator.children import (
     selector_labels,
     times,
 )
-from kvscale.operator.models import InferenceDeploymentSpec
-from kvscale.operator.status import compute_status
+from kvscale.operator.reconcile.status import compute_status
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"

@@ -1,19 +1,20 @@
-"""The admin policy (operator/policy.py) refusing each field, the confused-deputy specs refused
-(Secrets through env, a Hub token sent elsewhere, another's object taken over), and the
+"""The admin policy (reconcile/admin_policy.py) refusing each field, the confused-deputy specs
+refused (Secrets through env, a Hub token sent elsewhere, another's object taken over), and the
 NetworkPolicies selecting the right pods and ports."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from kvscale.operator import handlers, policy
-from kvscale.operator.children import (
-    LABEL_MANAGED_BY,
-    LABEL_OWNER,
-    MANAGER,
+from kvscale.operator.api.labels import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.reconcile import admin_policy
+from kvscale.operator.reconcile.admin_policy import AdminPolicy, NetworkPolicySettings, check
+from kvscale.operator.reconcile.children import (
     Owner,
     all_children,
     foreign,
@@ -22,8 +23,8 @@ from kvscale.operator.children import (
     router_selector_labels,
     selector_labels,
 )
-from kvscale.operator.models import InferenceDeploymentSpec
-from kvscale.operator.policy import AdminPolicy, NetworkPolicySettings, check
+from kvscale.operator.reconcile.reconciler import Reconciler
+from kvscale.operator.settings import DEFAULT_POLICY_PATH, Settings
 
 OWNER = Owner("tiny", "ns", "uid-1")
 
@@ -250,19 +251,25 @@ def test_an_object_of_a_childs_name_is_taken_only_when_it_is_ours():
 
 
 class FakeApi:
-    """The handlers' I/O (read, apply, status), recorded."""
+    """The reconciler's Kubernetes API (read, apply, status), recorded."""
 
     def __init__(self, cr: dict, live: dict[tuple[str, str], dict] | None = None) -> None:
         self.cr, self.live = cr, dict(live or {})
         self.applied: list[tuple[str, str]] = []
         self.statuses: list[dict] = []
 
-    def install(self, monkeypatch) -> None:
-        monkeypatch.setattr(handlers, "get_resource", lambda ns, name: self.cr)
-        monkeypatch.setattr(handlers, "read", lambda kind, name, ns: self.live.get((kind, name)))
-        monkeypatch.setattr(handlers, "server_side_apply", self.apply)
-        monkeypatch.setattr(handlers, "apply_status", self.status)
-        monkeypatch.setattr(handlers, "post_event", lambda *a, **k: None)
+    def reconciler(self, policy_path: Path, settings: Settings | None = None) -> Reconciler:
+        """A reconciler over this API, with the admin policy at `policy_path`."""
+        return Reconciler(self, replace(settings or Settings(), policy_path=policy_path))
+
+    def get_resource(self, namespace: str, name: str) -> dict:
+        return self.cr
+
+    def read(self, kind: str, name: str, namespace: str) -> dict | None:
+        return self.live.get((kind, name))
+
+    def post_event(self, *args, **kwargs) -> None:
+        pass
 
     def apply(self, obj: dict, manager: str = MANAGER) -> dict:
         self.applied.append((obj["kind"], obj["metadata"]["name"]))
@@ -270,7 +277,7 @@ class FakeApi:
         self.live[(obj["kind"], obj["metadata"]["name"])] = out
         return out
 
-    def status(self, namespace: str, name: str, status: dict, manager: str) -> None:
+    def apply_status(self, namespace: str, name: str, status: dict, manager: str) -> None:
         self.statuses.append(status)
         self.cr["status"] = {**self.cr.get("status", {}), **status}
 
@@ -286,29 +293,27 @@ def resource(**spec_fields) -> dict:
 
 
 @pytest.fixture
-def policy_file(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "policy.yaml"
-    monkeypatch.setattr(policy, "POLICY_PATH", path)
-    return path
+def policy_file(tmp_path) -> Path:
+    return tmp_path / "policy.yaml"
 
 
 def test_a_refused_spec_applies_nothing_and_is_reported_once(monkeypatch, policy_file):
     fake = FakeApi(
         resource(priorityClassName="system-cluster-critical", tolerations=[{"operator": "Exists"}])
     )
-    fake.install(monkeypatch)
-    assert handlers.sync("ns", "tiny", apply_all=True) is None  # not retried: nothing transient
+    sync = fake.reconciler(policy_file).sync
+    assert sync("ns", "tiny", apply_all=True) is None  # not retried: nothing transient
     assert fake.applied == []
     d = fake.degraded()
     assert d["status"] == "True" and d["reason"] == "PolicyViolation"
     assert "spec.priorityClassName" in d["message"] and "spec.tolerations[0]" in d["message"]
     for _ in range(3):  # the watchers and the resync: no write while nothing changes
-        handlers.sync("ns", "tiny")
+        sync("ns", "tiny")
     assert len(fake.statuses) == 1 and fake.applied == []
     # The admin allows it: the next sync applies, without a spec change.
     policy_file.write_text("priorityClassNames: [system-cluster-critical]\n")
     fake.cr["spec"]["tolerations"] = [{"key": "gpu", "operator": "Exists"}]  # (the same generation)
-    handlers.sync("ns", "tiny")
+    sync("ns", "tiny")
     assert ("Deployment", "tiny") in fake.applied
     assert fake.degraded()["status"] == "False"
 
@@ -316,16 +321,16 @@ def test_a_refused_spec_applies_nothing_and_is_reported_once(monkeypatch, policy
 def test_an_invalid_policy_file_applies_nothing(monkeypatch, policy_file):
     policy_file.write_text("maxGpus: lots\n")
     fake = FakeApi(resource())
-    fake.install(monkeypatch)
-    handlers.sync("ns", "tiny", apply_all=True)
+    sync = fake.reconciler(policy_file).sync
+    sync("ns", "tiny", apply_all=True)
     assert fake.applied == [] and fake.degraded()["reason"] == "PolicyInvalid"
 
 
 def test_a_service_of_the_same_name_owned_by_someone_else_is_not_taken(monkeypatch, policy_file):
     theirs = {"metadata": {"name": "tiny", "resourceVersion": "9", "labels": {"app": "web"}}, "spec": {}}
     fake = FakeApi(resource(), live={("Service", "tiny"): theirs})
-    fake.install(monkeypatch)
-    assert handlers.sync("ns", "tiny", apply_all=True) is None
+    sync = fake.reconciler(policy_file).sync
+    assert sync("ns", "tiny", apply_all=True) is None
     assert ("Service", "tiny") not in fake.applied
     assert fake.live[("Service", "tiny")] is theirs
     d = fake.degraded()
@@ -336,8 +341,8 @@ def test_a_service_of_the_same_name_owned_by_someone_else_is_not_taken(monkeypat
 def test_a_role_of_the_routers_name_owned_by_someone_else_is_not_taken(monkeypatch, policy_file):
     theirs = {"metadata": {"name": "tiny-router", "resourceVersion": "3"}, "rules": []}
     fake = FakeApi(resource(), live={("Role", "tiny-router"): theirs})
-    fake.install(monkeypatch)
-    handlers.sync("ns", "tiny", apply_all=True)
+    sync = fake.reconciler(policy_file).sync
+    sync("ns", "tiny", apply_all=True)
     assert ("Role", "tiny-router") not in fake.applied and ("RoleBinding", "tiny-router") not in fake.applied
     assert fake.degraded()["reason"] == "ChildConflict"
 
@@ -445,7 +450,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_example_policy_parses_and_the_examples_pass_the_default_policy():
     (cm,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "policy-example.yaml").read_text()) if d]
-    example = policy.parse(cm["data"]["policy.yaml"])
+    example = admin_policy.parse(cm["data"]["policy.yaml"])
     assert example.network_policy.clients_from and example.max_gpus == 32
     for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
@@ -459,7 +464,7 @@ def test_the_operator_mounts_the_policy_where_it_reads_it():
     (volume,) = [v for v in pod["volumes"] if v.get("configMap")]
     assert volume["configMap"] == {"name": "kvscale-operator-policy", "optional": True}
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
-    assert str(Path(mount["mountPath"]) / "policy.yaml") == policy.DEFAULT_POLICY_PATH
+    assert str(Path(mount["mountPath"]) / "policy.yaml") == DEFAULT_POLICY_PATH
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -495,10 +500,10 @@ def test_the_sync_applies_the_policys_pod_ids_and_its_network_peers(monkeypatch,
         "podSecurity: {runAsUser: 1000700000}\n"
         "networkPolicy: {clientsFrom: [{namespaceSelector: {matchLabels: {gw: 'yes'}}}]}\n"
     )
-    monkeypatch.setenv("POD_NAMESPACE", "platform-ops")
     fake = FakeApi(resource())
-    fake.install(monkeypatch)
-    handlers.sync("ns", "tiny", apply_all=True)
+    # The operator's namespace as its Deployment tells it (the downward API's POD_NAMESPACE).
+    sync = fake.reconciler(policy_file, Settings.from_env({"POD_NAMESPACE": "platform-ops"})).sync
+    sync("ns", "tiny", apply_all=True)
     dep = fake.live[("Deployment", "tiny")]
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 1000700000
     router = fake.live[("NetworkPolicy", "tiny-router")]["spec"]["ingress"]

@@ -20,8 +20,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvscale.operator.children import (
-    LABEL_OWNER,
+from kvscale.operator.api.crd import crd
+from kvscale.operator.api.labels import LABEL_OWNER
+from kvscale.operator.api.pod import RESERVED_LABELS, RESERVED_PREFIX
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.status import Condition
+from kvscale.operator.api.validation import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    LABEL_VALUE,
+    NAME_RULE,
+    QUANTITY,
+    name_problem,
+)
+from kvscale.operator.api.workers import GPUS_MESSAGE
+from kvscale.operator.reconcile.children import (
     Owner,
     all_children,
     claim_volume_name,
@@ -29,20 +42,6 @@ from kvscale.operator.children import (
     labels,
     pod_disruption_budget,
     selector_labels,
-)
-from kvscale.operator.crd import crd
-from kvscale.operator.models import (
-    DNS_LABEL,
-    DNS_SUBDOMAIN,
-    GPUS_MESSAGE,
-    LABEL_VALUE,
-    NAME_RULE,
-    QUANTITY,
-    RESERVED_LABELS,
-    RESERVED_PREFIX,
-    Condition,
-    InferenceDeploymentSpec,
-    name_problem,
 )
 
 OWNER = Owner("tiny", "ns", "uid-1")

@@ -11,10 +11,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvscale.operator.children import (
-    LABEL_MANAGED_BY,
-    LABEL_OWNER,
-    MANAGER,
+from kvscale.operator.api.crd import crd, crd_yaml, reference_markdown
+from kvscale.operator.api.labels import LABEL_MANAGED_BY, LABEL_OWNER, MANAGER
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.reconcile.children import (
     PRESTOP_SECONDS,
     ROUTER_KEYS,
     Owner,
@@ -30,9 +30,7 @@ from kvscale.operator.children import (
     selector_labels,
     selector_string,
 )
-from kvscale.operator.crd import crd, crd_yaml, reference_markdown
-from kvscale.operator.models import InferenceDeploymentSpec
-from kvscale.operator.status import compute_status
+from kvscale.operator.reconcile.status import compute_status
 
 REPO = Path(__file__).resolve().parents[1]
 OWNER = Owner("tiny", "ns", "uid-1")
@@ -451,7 +449,7 @@ def test_the_inference_pool_selects_the_workers_in_gies_v1_fields():
 def test_discovery_says_whether_inference_pools_are_served():
     from kubernetes.client.rest import ApiException
 
-    from kvscale.operator import inferencepool
+    from kvscale.operator.kube import inferencepool
 
     class Discovery:  # a stand-in for the API server's discovery document (tests only)
         def __init__(self, body=None, status=None):

@@ -19,10 +19,14 @@ import kopf
 import pytest
 import yaml
 
-import kvscale.operator.autoscaler  # noqa: F401 (registers its handler)
-from kvscale.operator import handlers, main
-from kvscale.operator.children import Owner, all_children, router_role_rules
-from kvscale.operator.models import GROUP, PLURAL, InferenceDeploymentSpec
+from kvscale.operator import main
+from kvscale.operator.api.groupversion import GROUP, PLURAL
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.kube import access
+from kvscale.operator.kube import client as kube_client
+from kvscale.operator.kube.client import LISTED_KINDS, Kube
+from kvscale.operator.reconcile.children import Owner, all_children, router_role_rules
+from kvscale.operator.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
@@ -88,7 +92,7 @@ API_CALLS = {
     "create_namespaced_lease": ("coordination.k8s.io", "leases", "create", "lease"),
     "replace_namespaced_lease": ("coordination.k8s.io", "leases", "update", "lease"),
 }
-# The custom-objects calls of operator/custom_api.py are on the optional APIs' objects: the
+# The custom-objects calls of operator/kube/custom_api.py are on the optional APIs' objects: the
 # Inference Extension's pools and LeaderWorkerSets (each call on both); leaderworkerset.py
 # reads and writes the LeaderWorkerSets' scale subresource.
 POOLS = ("inference.networking.k8s.io", "inferencepools")
@@ -151,15 +155,16 @@ def bound_roles(objects: list[dict]) -> dict[tuple[str, str | None], dict]:
     return bound
 
 
-# The operator's own watches (operator/pods.py): kubernetes.watch.Watch().stream over a list call.
-WATCH_CALL = re.compile(r"\.stream\(\s*\w+\.(list_\w+)")
+# The operator's own watches (kube/pods.py) and the router's (endpoints.py):
+# kubernetes.watch.Watch().stream over a list call.
+WATCH_CALL = re.compile(r"\.stream\(\s*[\w.()]+\.(list_\w+)")
 
 
-def operator_calls() -> dict[str, list[str]]:
-    """Client method -> the operator source files that call it; a list call streamed as a watch
-    also as "NAME:watch"."""
+def client_calls(folder: str) -> dict[str, list[str]]:
+    """Client method -> the source files under `folder` (every subpackage) that call it; a list
+    call streamed as a watch also as "NAME:watch"."""
     found: dict[str, list[str]] = {}
-    for path in sorted((REPO / "operator").glob("*.py")):
+    for path in sorted((REPO / folder).rglob("*.py")):
         text = path.read_text()
         for name in CLIENT_CALL.findall(text):
             found.setdefault(name, []).append(path.name)
@@ -168,11 +173,15 @@ def operator_calls() -> dict[str, list[str]]:
     return found
 
 
+def operator_calls() -> dict[str, list[str]]:
+    return client_calls("operator")
+
+
 def kopf_requests(clusterwide: bool) -> set[tuple[str, str, str]]:
     """What kopf itself sends for the handlers registered: a list and a watch of each resource
     it serves, its status bookkeeping (status.kopf, a patch of the status subresource), Events;
     cluster-wide, also its CRD observer (off in the namespaced install, main._namespaced_settings)."""
-    registry = kopf.get_default_registry()
+    registry, _, _ = main.build(Settings(), None)  # what `kvscale-operator run` registers
     served = {
         (h.selector.group or "", h.selector.plural or h.selector.any_name)
         for reg in (registry._watching, registry._changing, registry._spawning, registry._indexing)
@@ -230,7 +239,7 @@ def needed(clusterwide: bool) -> dict[str, set[tuple[str, str, str]]]:
             for group, resource, verb, scope in FILE_CALLS.get((f, call)) or [API_CALLS[call]]:
                 verb = watched or verb
                 if scope == "cluster" and not clusterwide:
-                    continue  # handlers.list_resources / list_children list per namespace instead
+                    continue  # Kube.list_resources / list_children list per namespace instead
                 out[scope].add((group, resource, verb))
                 if verb == "patch" and resource in APPLIED:
                     out[scope].add((group, resource, "create"))  # a server-side apply that creates
@@ -266,6 +275,22 @@ def test_every_client_call_of_the_operator_is_known_here():
     assert not unknown, f"add these API calls to API_CALLS (and grant them in manifests/): {unknown}"
     assert "patch_namespaced_custom_object_status" in calls and "replace_namespaced_lease" in calls
     assert {"list_pod_for_all_namespaces:watch", "list_namespaced_pod:watch"} <= set(calls)  # pods.py
+
+
+# Every Kubernetes client call of the router (router/): what its Role (children.router_role_rules)
+# must grant in the resource's namespace.
+ROUTER_CALLS = {
+    "list_namespaced_endpoint_slice": ("discovery.k8s.io", "endpointslices", "list"),
+    "list_namespaced_endpoint_slice:watch": ("discovery.k8s.io", "endpointslices", "watch"),
+    "read_namespaced_deployment_scale": ("apps", "deployments/scale", "get"),
+    "replace_namespaced_deployment_scale": ("apps", "deployments/scale", "update"),
+}
+
+
+def test_every_client_call_of_the_router_is_granted_by_its_role():
+    calls = client_calls("router")
+    assert set(calls) == set(ROUTER_CALLS), f"map the router's new calls in ROUTER_CALLS: {set(calls)}"
+    assert set(ROUTER_CALLS.values()) <= router_grants()
 
 
 def test_the_cluster_role_grants_what_blockOwnerDeletion_needs_under_the_admission_plugin():
@@ -314,21 +339,19 @@ class FakeAuthorization:
 
 
 def test_the_autoscaler_asks_before_marking_pods_and_caches_the_answer(monkeypatch):
-    from kvscale.operator import access
-
     now = [0.0]
     monkeypatch.setattr(access.client, "AuthorizationV1Api", FakeAuthorization)
-    monkeypatch.setattr(access, "_answers", {})
+    reviews = access.AccessReviews()
     FakeAuthorization.answers, FakeAuthorization.asked = [False, True], []
-    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is False
-    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is False  # cached
+    assert reviews.allowed(None, "tenant-a", clock=lambda: now[0]) is False
+    assert reviews.allowed(None, "tenant-a", clock=lambda: now[0]) is False  # cached
     assert FakeAuthorization.asked[0]["spec"]["resourceAttributes"] == {
         "namespace": "tenant-a",
         "verb": "patch",
         "resource": "pods",
     }
     now[0] = access.TTL_S  # a RoleBinding added since: seen after the TTL
-    assert access.allowed(None, "tenant-a", clock=lambda: now[0]) is True
+    assert reviews.allowed(None, "tenant-a", clock=lambda: now[0]) is True
     assert len(FakeAuthorization.asked) == 2
 
 
@@ -482,14 +505,13 @@ class Recorder:
 @pytest.mark.parametrize("namespaces", [(), ("team-a", "team-b")])
 def test_the_resync_lists_only_in_the_watched_namespaces(monkeypatch, namespaces):
     recorder = Recorder()
-    monkeypatch.setattr(handlers, "api", lambda: None)
-    monkeypatch.setattr(handlers.client, "CustomObjectsApi", lambda _: recorder)
+    monkeypatch.setattr(kube_client.client, "CustomObjectsApi", lambda _: recorder)
     for typed in ("AppsV1Api", "CoreV1Api", "PolicyV1Api", "RbacAuthorizationV1Api", "NetworkingV1Api"):
-        monkeypatch.setattr(handlers.client, typed, lambda _: recorder)
-    monkeypatch.setattr(handlers, "watch_namespaces", namespaces)
-    resources = handlers.list_resources()
-    for kind in handlers.LISTED_KINDS:
-        handlers.list_children(kind)
+        monkeypatch.setattr(kube_client.client, typed, lambda _: recorder)
+    kube = Kube(None, namespaces)  # as `kvscale-operator run --watch-namespace ...` builds it
+    resources = kube.list_resources()
+    for kind in LISTED_KINDS:
+        kube.list_children(kind)
     names = [name for name, _ in recorder.calls]
     if not namespaces:
         assert names == [

@@ -10,11 +10,11 @@ from contextlib import asynccontextmanager
 import aiohttp
 import pytest
 
-from kvscale.operator.router.auth import KeyFile, _digest, match, parse_keys
-from kvscale.operator.router.endpoints import StaticEndpoints
-from kvscale.operator.router.queue import ClientQueueFull, FlowControl
-from kvscale.operator.router.server import Router, RouterConfig, build_app
-from kvscale.operator.router.state import RouterState
+from kvscale.router.auth import KeyFile, _digest, match, parse_keys
+from kvscale.router.endpoints import StaticEndpoints
+from kvscale.router.queue import ClientQueueFull, FlowControl
+from kvscale.router.server import Router, RouterConfig, build_app
+from kvscale.router.state import RouterState
 from tests.test_router_server import BODY, SSE, ManualSource, StandInWorker, serving, workers
 
 PLAIN = {**BODY, "stream": False}

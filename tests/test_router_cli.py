@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from test_router_server import BODY, SSE, StandInWorker, serving
 
-from kvscale.operator.router.main import build_parser, build_router
+from kvscale.router.main import build_parser, build_router
 
 
 def _free_port() -> int:
@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 def test_the_router_package_loads_no_torch():
     code = (
-        "import sys, kvscale.operator.router.main, kvscale.operator.router.server\n"
+        "import sys, kvscale.router.main, kvscale.router.server\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -47,7 +47,7 @@ def test_the_console_script_serves_and_exits_0_on_sigterm():
         async with serving(w.app()) as wurl:
             port = _free_port()
             exe = Path(sys.executable).with_name("kvscale-router")
-            cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.operator.router.main"]
+            cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.router.main"]
             proc = subprocess.Popen(
                 [
                     *cmd,

@@ -1,4 +1,4 @@
-"""The router's picking function, prefix index and state (kvscale.operator.router): pure, no I/O."""
+"""The router's picking function, prefix index and state (kvscale.router): pure, no I/O."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscale.operator.router.picker import Candidate, PickerConfig, load_bound, pick, pick_round_robin
-from kvscale.operator.router.prefix_index import (
+from kvscale.router.picker import Candidate, PickerConfig, load_bound, pick, pick_round_robin
+from kvscale.router.prefix_index import (
     PrefixIndex,
     block_hashes,
     chat_prefix_text,
     prompt_prefix_text,
 )
-from kvscale.operator.router.state import RouterState, WorkerMetrics
+from kvscale.router.state import RouterState, WorkerMetrics
 
 ENDPOINTS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
 SYSTEM = "You are a careful Python reviewer. " * 40  # ~1,400 characters: 21 blocks

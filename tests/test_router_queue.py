@@ -1,4 +1,4 @@
-"""Flow control (kvscale.operator.router.queue) under any interleaving of arrivals, clients that
+"""Flow control (kvscale.router.queue) under any interleaving of arrivals, clients that
 leave, finished requests and capacity changes: no endpoint slot is leaked or handed twice, the
 queue stays bounded, nobody waits while a slot is free, and per key (client) it is FIFO."""
 
@@ -9,7 +9,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscale.operator.router.queue import FlowControl, QueueFull
+from kvscale.router.queue import FlowControl, QueueFull
 
 steps = st.lists(
     st.tuples(

@@ -13,11 +13,11 @@ from contextlib import asynccontextmanager, suppress
 import aiohttp
 from aiohttp import web
 
-from kvscale.operator.router.endpoints import StaticEndpoints
-from kvscale.operator.router.picker import PickerConfig
-from kvscale.operator.router.server import Router, RouterConfig, build_app
-from kvscale.operator.router.state import RouterState
-from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.router.endpoints import StaticEndpoints
+from kvscale.router.picker import PickerConfig
+from kvscale.router.server import Router, RouterConfig, build_app
+from kvscale.router.state import RouterState
+from kvscale.worker.metrics.prometheus import EngineMetrics
 
 SSE = [
     b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"def"}]}\n\n',
@@ -354,7 +354,7 @@ def test_a_client_that_disconnects_leaves_the_queue():
 
 def test_fair_per_model_dispatch_alternates_models():
     async def main():
-        from kvscale.operator.router.queue import FlowControl
+        from kvscale.router.queue import FlowControl
 
         free = [0]
         order = []

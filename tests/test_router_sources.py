@@ -8,9 +8,9 @@ import json
 import pytest
 from aiohttp import web
 
-from kvscale.operator.router.endpoints import StaticEndpoints, apply_event, endpoints_from_slices
-from kvscale.operator.router.scrape import Scraper, parse_metrics
-from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.router.endpoints import StaticEndpoints, apply_event, endpoints_from_slices
+from kvscale.router.scrape import Scraper, parse_metrics
+from kvscale.worker.metrics.prometheus import EngineMetrics
 
 
 def eps(*items):
@@ -224,7 +224,7 @@ def _event(kind, obj):
 def test_the_watch_resumes_from_the_last_version_and_lists_again_on_410():
     from kubernetes.client.exceptions import ApiException
 
-    from kvscale.operator.router.endpoints import SliceWatcher
+    from kvscale.router.endpoints import SliceWatcher
 
     a = slice_("a", eps(("10.0.0.1", {"ready": True})))
     b = {

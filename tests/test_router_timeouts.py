@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
-from kvscale.operator.router.endpoints import SliceWatcher
+from kvscale.router.endpoints import SliceWatcher
 from tests.test_router_server import BODY, router, serving
 
 

@@ -11,7 +11,7 @@ import aiohttp
 from kubernetes.client.rest import ApiException
 from test_router_server import BODY, SSE, ManualSource, StandInWorker, router, run, workers
 
-from kvscale.operator.router.wake import Waker, scale_up_from_zero
+from kvscale.router.wake import Waker, scale_up_from_zero
 
 
 def test_one_ask_however_many_wake_and_again_only_after_retry_s():
@@ -175,7 +175,7 @@ def test_a_request_served_at_once_is_never_started_early_and_nothing_asks():
 
 
 def test_the_cli_wakes_only_with_scale_deployment(monkeypatch):
-    from kvscale.operator.router import main
+    from kvscale.router import main
 
     scale = StandInScale(0)
     monkeypatch.setattr(main, "_apps_api", lambda: scale)

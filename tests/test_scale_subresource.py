@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscale.operator.children import MANAGER, Owner, deployment, selector_string
-from kvscale.operator.crd import crd
-from kvscale.operator.models import InferenceDeploymentSpec
-from kvscale.operator.status import OWNED, compute_status, status_apply
+from kvscale.operator.api.crd import crd
+from kvscale.operator.api.labels import MANAGER
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.status import OWNED, status_apply
+from kvscale.operator.reconcile.children import Owner, deployment, selector_string
+from kvscale.operator.reconcile.status import compute_status
 
 OWNER = Owner("tiny", "ns", "uid-1")
 NOW = "2026-01-01T00:00:00Z"

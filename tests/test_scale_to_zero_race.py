@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 from kubernetes.client.rest import ApiException
 
-from kvscale.operator import autoscaler
-from kvscale.operator.autoscaling import PodLoad, RouterLoad, Sample, confirms_idle
+from kvscale.operator.autoscaler import scaler
+from kvscale.operator.autoscaler.policy import Autoscaler, PodLoad, RouterLoad, Sample, confirms_idle
+from kvscale.operator.autoscaler.scrape import parse_metrics
 from tests.test_autoscaler_io import tick  # noqa: F401 (the fixture)
 
 IDLE = Sample(0.0, (PodLoad("w0", "ready", 0.0, 0.0, 0.0, 5.0),), (RouterLoad("r0", 0, 0, 10.0),))
@@ -68,12 +69,12 @@ def _zero_tick(tick, monkeypatch, arrive_between: bool):  # noqa: F811
     """One tick of an idle resource deciding zero; with `arrive_between`, one request reaches a
     worker between the decision's scrape and the write (the worst moment)."""
     Apps.state = SimpleNamespace(replicas=2, rv="7", writes=[], conflict=False)
-    monkeypatch.setattr(autoscaler.client, "AppsV1Api", Apps)
+    monkeypatch.setattr(scaler.client, "AppsV1Api", Apps)
     tick.target.spec = dict(ZERO_SPEC)
-    tick.target.scaler = autoscaler.Autoscaler(interval_s=autoscaler.SCRAPE_INTERVAL_S)
+    tick.target.scaler = Autoscaler(interval_s=scaler.SCRAPE_INTERVAL_S)
     scrapes: dict[str, int] = {}
 
-    async def scrape(session, ip, parse=autoscaler.parse_metrics, **_):
+    async def scrape(session, ip, parse=parse_metrics, **_):
         scrapes[ip] = scrapes.get(ip, 0) + 1
         late = arrive_between and scrapes[ip] > 1
         return {
@@ -83,8 +84,8 @@ def _zero_tick(tick, monkeypatch, arrive_between: bool):  # noqa: F811
             "arrivals": 11.0 if late else 10.0,
         }
 
-    monkeypatch.setattr(autoscaler, "scrape", scrape)
-    return asyncio.run(autoscaler.step(tick.target, None))
+    monkeypatch.setattr(scaler, "scrape", scrape)
+    return asyncio.run(tick.scaler.step(tick.target, None))
 
 
 def test_a_request_at_the_worst_moment_keeps_the_workers_every_time(tick, monkeypatch):  # noqa: F811
@@ -104,13 +105,13 @@ def test_a_writer_that_got_there_first_wins(tick, monkeypatch):  # noqa: F811
             return read
 
     Apps.state = SimpleNamespace(replicas=2, rv="7", writes=[], conflict=False)
-    monkeypatch.setattr(autoscaler.client, "AppsV1Api", Raced)
-    monkeypatch.setattr(autoscaler, "scrape", _idle_scrape)
+    monkeypatch.setattr(scaler.client, "AppsV1Api", Raced)
+    monkeypatch.setattr(scaler, "scrape", _idle_scrape)
     tick.target.spec = dict(ZERO_SPEC)
-    decision = asyncio.run(autoscaler.step(tick.target, None))
+    decision = asyncio.run(tick.scaler.step(tick.target, None))
     assert decision.replicas == 0  # decided, but not written over the newer version
     assert Apps.state.writes == [] and Apps.state.replicas == 2 and not tick.target.decisions
 
 
-async def _idle_scrape(session, ip, parse=autoscaler.parse_metrics, **_):
+async def _idle_scrape(session, ip, parse=parse_metrics, **_):
     return {"kv_usage": 0.0, "waiting": 0.0, "running": 0.0, "arrivals": 10.0}

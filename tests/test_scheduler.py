@@ -176,3 +176,17 @@ def test_prefix_lookups_count_once_per_admission():
     sched.add_request(Request("c", list(range(100, 112)), SamplingParams(max_tokens=4), max_tokens=4))
     run_step(sched, kv, cfg)
     assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (36, 8)
+
+
+def test_max_tokens_is_decided_once_by_the_scheduler():
+    """A request's max_tokens without one: up to the model length, clipped to what the whole pool
+    holds (the engine's make_request and the server's validation both ask Scheduler.max_tokens_for,
+    where each used to compute it); one that was asked for stands, the model length still ends it."""
+    kv = KVCacheManager(8, 4)  # 32 tokens in the pool
+    sched = Scheduler(SchedulerConfig(max_model_len=64), kv)
+    assert sched.max_tokens_for(10, None) == 22  # the pool, not the model length
+    assert Scheduler(SchedulerConfig(max_model_len=20), kv).max_tokens_for(10, None) == 10
+    assert sched.max_tokens_for(40, None) == 1  # never 0: the prompt alone is refused at admission
+    assert sched.max_tokens_for(10, 500) == 500
+    long = Request("long", list(range(10)), SamplingParams(max_tokens=500), max_tokens=500)
+    assert Scheduler(SchedulerConfig(max_model_len=20), kv).final_length(long) == 20

@@ -1,6 +1,6 @@
 """Self-healing and honest status, without a cluster: the pure decisions (drift, permanent
-errors, backoff, who owns which status field) and `handlers.sync` against an in-memory API
-server that counts every write."""
+errors, backoff, who owns which status field) and the reconciler's `sync`, through kopf's
+handlers, against an in-memory API server that counts every write."""
 
 from __future__ import annotations
 
@@ -13,29 +13,26 @@ import kopf
 import pytest
 from kubernetes.client.rest import ApiException
 
-import kvscale.operator.autoscaler  # noqa: F401 (registers its handler: checked below too)
-from kvscale.operator import handlers
-from kvscale.operator.children import (
-    AUTOSCALER_MANAGER,
-    CHILD_KEYS,
-    MANAGER,
-    Owner,
-    child_key,
-    children,
-    key_of,
-    kind_of,
-)
-from kvscale.operator.heal import (
+from kvscale.operator.api.groupversion import GROUP
+from kvscale.operator.api.labels import AUTOSCALER_MANAGER, CHILD_SELECTOR, MANAGER
+from kvscale.operator.api.spec import InferenceDeploymentSpec
+from kvscale.operator.api.status import OWNED, status_apply
+from kvscale.operator.handlers import Handlers, configure
+from kvscale.operator.kube import client as kube_client
+from kvscale.operator.kube.client import CHILD_RESOURCES, Kube
+from kvscale.operator.kube.errors import permanent
+from kvscale.operator.reconcile.children import CHILD_KEYS, Owner, child_key, children, key_of, kind_of
+from kvscale.operator.reconcile.heal import (
     RetryQueue,
     apply_failure,
     backoff_s,
     child_drift,
     drifted,
-    permanent,
     rejected,
 )
-from kvscale.operator.models import GROUP, InferenceDeploymentSpec
-from kvscale.operator.status import OWNED, compute_status, status_apply, status_changed
+from kvscale.operator.reconcile.reconciler import Reconciler
+from kvscale.operator.reconcile.status import compute_status, status_changed
+from kvscale.operator.settings import Settings
 
 OWNER = Owner("tiny", "ns", "uid-1")
 SPEC = {"model": {"uri": "/models/tiny"}, "replicas": 2, "resources": {"cpu": "0.5", "memory": "1Gi"}}
@@ -210,15 +207,15 @@ def test_a_refused_apply_is_not_ready_and_observed_generation_is_only_what_was_a
 
 def test_every_child_watch_is_filtered_by_the_api_server_and_nothing_adds_a_finalizer():
     settings = kopf.OperatorSettings()
-    handlers.configure(settings=settings)
-    registry = kopf.get_default_registry()
+    configure(settings=settings)
+    registry = Handlers(Reconciler(Kube(None), Settings()), None).register(kopf.OperatorRegistry())
     watched = [h.selector for h in registry._watching.get_all_handlers() if h.selector.group != GROUP]
     # the children, and the worker pods (their model downloads)
-    assert len(watched) == len(handlers.CHILD_RESOURCES) + 1 == 8
+    assert len(watched) == len(CHILD_RESOURCES) + 1 == 8
     for selector in watched:
         plural = selector.any_name
         resource = kopf.Resource(selector.group, selector.version, plural)
-        assert settings.watching.label_selectors.collect(resource) == [handlers.CHILD_SELECTOR], plural
+        assert settings.watching.label_selectors.collect(resource) == [CHILD_SELECTOR], plural
         assert plural in (
             "deployments",
             "services",
@@ -297,12 +294,26 @@ class FakeAPI:
         current.update({k: v for k, v in status.items() if k != "conditions"})
         current["conditions"] = kept + list(status.get("conditions", []))
 
+    def post_event(self, cr, reason, message, *, warning=False):
+        self.events.append(("warn" if warning else "info", reason, message))
+
+    def list_resources(self):
+        return [copy.deepcopy(self.resource)]
+
+    def list_children(self, kind):
+        """As a LIST shows them: items without apiVersion and kind."""
+        return [
+            {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
+            for key, o in self.objects.items()
+            if kind_of(key) == kind
+        ]
+
     def writes(self) -> list[tuple[str, str]]:
         return [c for c in self.calls if c[0] in ("patch", "delete")]
 
 
 @pytest.fixture
-def cluster(monkeypatch) -> FakeAPI:
+def cluster() -> FakeAPI:
     resource = {
         "apiVersion": f"{GROUP}/v1alpha1",
         "kind": "InferenceDeployment",
@@ -310,23 +321,9 @@ def cluster(monkeypatch) -> FakeAPI:
         "spec": SPEC,
     }
     fake = FakeAPI(resource)
-    monkeypatch.setattr(handlers, "read", fake.read)
-    monkeypatch.setattr(handlers, "server_side_apply", fake.apply)
-    monkeypatch.setattr(handlers, "delete", fake.delete)
-    monkeypatch.setattr(handlers, "get_resource", fake.get_resource)
-    monkeypatch.setattr(handlers, "apply_status", fake.apply_status)
-    monkeypatch.setattr(handlers, "worker_image", lambda: "img:1")
-    monkeypatch.setattr(handlers, "router_image", lambda: "router:1")
-    monkeypatch.setattr(handlers, "retries", RetryQueue())
-    monkeypatch.setattr(handlers, "pools_served", False)
-    monkeypatch.setattr(handlers, "lws_served", False)
-    monkeypatch.setattr(
-        handlers,
-        "post_event",
-        lambda cr, reason, message, *, warning=False: fake.events.append(
-            ("warn" if warning else "info", reason, message)
-        ),
-    )
+    # The operator's parts over the fake: what `kvscale-operator run` builds over the real client.
+    fake.reconciler = Reconciler(fake, Settings(worker_image="img:1", router_image="router:1"))
+    fake.handlers = Handlers(fake.reconciler, None)
     return fake
 
 
@@ -339,17 +336,18 @@ def degraded(fake: FakeAPI) -> dict:
     return next(c for c in fake.resource["status"]["conditions"] if c["type"] == "Degraded")
 
 
-def reconcile(retry: int = 0) -> None:
-    handlers.reconcile(meta={"name": "tiny", "namespace": "ns"}, retry=retry)
+def reconcile(fake: FakeAPI, retry: int = 0) -> None:
+    """kopf's create (or update, or resume) handler."""
+    fake.handlers.reconcile(meta={"name": "tiny", "namespace": "ns"}, retry=retry)
 
 
 def deployment_event(fake: FakeAPI, type_: str | None = "MODIFIED") -> None:
     body = fake.objects.get("Deployment") or desired()["Deployment"]
-    handlers.deployment_changed(body=copy.deepcopy(body), type=type_)
+    fake.handlers.deployment_changed(body=copy.deepcopy(body), type=type_)
 
 
 def test_reconcile_creates_the_children_and_an_unchanged_child_is_never_written(cluster):
-    reconcile()
+    reconcile(cluster)
     made = sorted(
         set(CHILD_KEYS) - {"InferencePool", "LeaderWorkerSet"}
     )  # no such CRDs here, one pod per copy
@@ -359,22 +357,22 @@ def test_reconcile_creates_the_children_and_an_unchanged_child_is_never_written(
     cluster.calls.clear()
     for _ in range(3):  # the Deployment's own events, the Service's, the PDB's: nothing to write
         deployment_event(cluster)
-        handlers.service_changed(body=copy.deepcopy(cluster.objects["Service"]), type="MODIFIED")
-        handlers.pdb_changed(body=copy.deepcopy(cluster.objects["PodDisruptionBudget"]), type=None)
+        cluster.handlers.service_changed(body=copy.deepcopy(cluster.objects["Service"]), type="MODIFIED")
+        cluster.handlers.pdb_changed(body=copy.deepcopy(cluster.objects["PodDisruptionBudget"]), type=None)
     assert cluster.writes() == []
     # A Service or PDB event reads nothing but the resource.
     assert ("get", "Service") not in cluster.calls and ("get", "Deployment") not in cluster.calls
 
 
 def test_a_deleted_child_is_recreated_and_one_edited_by_hand_is_reverted(cluster):
-    reconcile()
+    reconcile(cluster)
     cluster.calls.clear()
     del cluster.objects["Deployment"]
     deployment_event(cluster, "DELETED")
     assert "Deployment" in cluster.objects and ("patch", "Deployment") in cluster.writes()
     for kind, handler in (
-        ("Service", handlers.service_changed),
-        ("PodDisruptionBudget", handlers.pdb_changed),
+        ("Service", cluster.handlers.service_changed),
+        ("PodDisruptionBudget", cluster.handlers.pdb_changed),
     ):
         gone = cluster.objects.pop(kind)
         handler(body=gone, type="DELETED")
@@ -390,17 +388,17 @@ def test_a_deleted_child_is_recreated_and_one_edited_by_hand_is_reverted(cluster
 
 
 def test_a_stale_event_is_checked_against_the_api_server_before_any_write(cluster):
-    reconcile()
+    reconcile(cluster)
     cluster.calls.clear()
     stale = copy.deepcopy(cluster.objects["Deployment"])
     stale["spec"]["replicas"] = 7  # already put back by the time the event is handled
-    handlers.deployment_changed(body=stale, type="MODIFIED")
+    cluster.handlers.deployment_changed(body=stale, type="MODIFIED")
     assert ("get", "Deployment") in cluster.calls and cluster.writes() == []
 
 
 def test_a_refused_apply_is_reported_once_and_not_retried_until_the_spec_changes(cluster):
     cluster.refuse["Deployment"] = 422
-    reconcile()  # no TemporaryError: kopf does not retry it
+    reconcile(cluster)  # no TemporaryError: kopf does not retry it
     degraded = next(c for c in cluster.resource["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "ApplyRejected" and "duplicate env" in degraded["message"]
     ready = next(c for c in cluster.resource["status"]["conditions"] if c["type"] == "Ready")
@@ -413,14 +411,14 @@ def test_a_refused_apply_is_reported_once_and_not_retried_until_the_spec_changes
     assert len(warnings) == 1 and "duplicate env" in warnings[0][2]
     cluster.calls.clear()
     for _ in range(5):  # the watchers and the resync leave the refused generation alone
-        handlers.service_changed(body=SERVICE_GONE, type="DELETED")
-        handlers.sync_or_retry("ns", "tiny")  # what the resync does for each resource
+        cluster.handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+        cluster.reconciler.sync_or_retry("ns", "tiny")  # what the resync does for each resource
     assert cluster.writes() == [] and len([e for e in cluster.events if e[0] == "warn"]) == 1
-    assert handlers.retries.pop_due() == []
+    assert cluster.reconciler.retries.pop_due() == []
     # A new generation is tried again.
     del cluster.refuse["Deployment"]
     cluster.resource["metadata"]["generation"] = 2
-    reconcile()
+    reconcile(cluster)
     assert "Deployment" in cluster.objects and cluster.resource["status"]["observedGeneration"] == 2
     degraded = next(c for c in cluster.resource["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
@@ -431,10 +429,10 @@ def test_a_name_no_label_can_hold_is_refused_once_without_children(cluster):
     their labels would be refused on every try."""
     name = "n" * 64
     cluster.resource["metadata"]["name"] = name
-    handlers.reconcile(meta={"name": name, "namespace": "ns"}, retry=0)
+    cluster.handlers.reconcile(meta={"name": name, "namespace": "ns"}, retry=0)
     assert cluster.objects == {}
     assert degraded(cluster)["reason"] == "InvalidSpec" and "invalid name" in degraded(cluster)["message"]
-    handlers.sync_or_retry("ns", name)
+    cluster.reconciler.sync_or_retry("ns", name)
     assert [c for c in cluster.writes() if c[1] != f"status/{MANAGER}"] == []
     assert len([e for e in cluster.events if e[0] == "warn"]) == 1
 
@@ -442,35 +440,35 @@ def test_a_name_no_label_can_hold_is_refused_once_without_children(cluster):
 def test_a_5xx_is_retried_with_backoff(cluster):
     cluster.refuse["Service"] = 503
     with pytest.raises(kopf.TemporaryError) as raised:
-        reconcile(retry=2)
+        reconcile(cluster, retry=2)
     assert raised.value.delay == backoff_s(3)
     assert cluster.resource["status"].get("observedGeneration") is None  # not applied in full
     assert degraded(cluster)["reason"] == "ApplyFailed"
     deployment_event(cluster)  # a Deployment event does not clear what the full apply found
     assert degraded(cluster)["reason"] == "ApplyFailed"
     del cluster.refuse["Service"]
-    reconcile(retry=3)  # kopf's retry
+    reconcile(cluster, retry=3)  # kopf's retry
     assert cluster.resource["status"]["observedGeneration"] == 1 and degraded(cluster)["status"] == "False"
     # Through a watcher, a transient failure goes to the retry queue, run by the resync task.
     cluster.refuse["Service"] = 503
     del cluster.objects["Service"]
-    handlers.service_changed(body=SERVICE_GONE, type="DELETED")
-    assert degraded(cluster)["reason"] == "ApplyFailed" and handlers.retries._due
+    cluster.handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+    assert degraded(cluster)["reason"] == "ApplyFailed" and cluster.reconciler.retries._due
     del cluster.refuse["Service"]
-    handlers.sync_or_retry("ns", "tiny", apply_all=True)  # the retry
-    assert "Service" in cluster.objects and not handlers.retries._due
+    cluster.reconciler.sync_or_retry("ns", "tiny", apply_all=True)  # the retry
+    assert "Service" in cluster.objects and not cluster.reconciler.retries._due
     assert degraded(cluster)["status"] == "False"
 
 
 def test_a_watcher_leaves_a_new_generation_to_its_reconcile(cluster):
-    reconcile()
+    reconcile(cluster)
     cluster.calls.clear()
     cluster.resource["metadata"]["generation"] = 2
     cluster.resource["spec"] = {**SPEC, "replicas": 3}
     deployment_event(cluster)  # before kopf's update handler ran: no "Reverted" of a spec change
     assert cluster.writes() == [] or cluster.writes() == [("patch", f"status/{MANAGER}")]
     assert cluster.objects["Deployment"]["spec"]["replicas"] == 2
-    reconcile()
+    reconcile(cluster)
     assert cluster.objects["Deployment"]["spec"]["replicas"] == 3
     assert not [e for e in cluster.events if e[1] == "Reverted"]
     assert [e[1] for e in cluster.events].count("Updated") == 1
@@ -484,7 +482,7 @@ def test_switching_autoscaling_off_removes_the_autoscalers_fields_through_its_ow
     }
     owned = {"manager": AUTOSCALER_MANAGER, "operation": "Apply", "subresource": "status"}
     cluster.resource["metadata"]["managedFields"] = [owned]
-    reconcile()
+    reconcile(cluster)
     assert ("patch", f"status/{AUTOSCALER_MANAGER}") in cluster.writes()
     # Once the autoscaler's manager owns nothing, the API server drops it from managedFields.
     cluster.resource["metadata"]["managedFields"] = []
@@ -494,37 +492,30 @@ def test_switching_autoscaling_off_removes_the_autoscalers_fields_through_its_ow
 
 
 def test_a_failed_status_write_is_retried_not_left_stale(cluster, monkeypatch):
-    reconcile()
+    reconcile(cluster)
     cluster.objects["Deployment"]["status"] = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
     write = cluster.apply_status
 
     def unavailable(*args, **kwargs):
         raise ApiException(status=503, reason="Service Unavailable")
 
-    monkeypatch.setattr(handlers, "apply_status", unavailable)
+    monkeypatch.setattr(cluster, "apply_status", unavailable)
     deployment_event(cluster)  # the workers turned ready, but the status write fails
-    assert cluster.resource["status"]["readyReplicas"] == 0 and handlers.retries._due
-    monkeypatch.setattr(handlers, "apply_status", write)
-    handlers.sync_or_retry("ns", "tiny", apply_all=True)  # what the resync task runs when it is due
-    assert cluster.resource["status"]["readyReplicas"] == 2 and not handlers.retries._due
+    assert cluster.resource["status"]["readyReplicas"] == 0 and cluster.reconciler.retries._due
+    monkeypatch.setattr(cluster, "apply_status", write)
+    cluster.reconciler.sync_or_retry("ns", "tiny", apply_all=True)  # what the resync task runs when it is due
+    assert cluster.resource["status"]["readyReplicas"] == 2 and not cluster.reconciler.retries._due
 
 
 def test_the_resync_heals_what_no_event_reported_and_writes_nothing_else(cluster, monkeypatch):
-    reconcile()
-    listed = lambda kind: [  # noqa: E731
-        {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
-        for key, o in cluster.objects.items()
-        if kind_of(key) == kind
-    ]
-    monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
-    monkeypatch.setattr(handlers, "list_children", listed)
+    reconcile(cluster)
     cluster.calls.clear()
-    handlers.resync()
+    cluster.reconciler.resync()
     assert cluster.writes() == []  # all as applied: not one write, not one extra read
     assert [c for c in cluster.calls if c[0] == "get"] == []
     del cluster.objects["PodDisruptionBudget"]  # its DELETED event was missed
     cluster.objects["Service"]["spec"]["ports"][0]["port"] = 9999
-    handlers.resync()
+    cluster.reconciler.resync()
     assert "PodDisruptionBudget" in cluster.objects
     assert cluster.objects["Service"]["spec"]["ports"][0]["port"] == 8000
     assert ("patch", "Deployment") not in cluster.writes()
@@ -543,11 +534,10 @@ def test_events_are_posted_outside_kopfs_handlers_too(monkeypatch):
             if len(posted) > 1:
                 raise ApiException(status=403, reason="Forbidden")  # best effort: logged
 
-    monkeypatch.setattr(handlers, "api", lambda: None)
-    monkeypatch.setattr(handlers.client, "CoreV1Api", Core)
+    monkeypatch.setattr(kube_client.client, "CoreV1Api", Core)
     cr = {"metadata": {"name": "tiny", "namespace": "ns", "uid": "uid-1"}}
-    handlers.post_event(cr, "Reverted", "re-applied", warning=False)
-    handlers.post_event(cr, "DegradedTrue", "ApplyRejected: no", warning=True)
+    Kube(None).post_event(cr, "Reverted", "re-applied", warning=False)
+    Kube(None).post_event(cr, "DegradedTrue", "ApplyRejected: no", warning=True)
     (ns, first), (_, second) = posted
     assert ns == "ns" and first["involvedObject"]["uid"] == "uid-1" and first["type"] == "Normal"
     assert first["involvedObject"]["kind"] == "InferenceDeployment" and second["type"] == "Warning"
@@ -604,16 +594,16 @@ def test_syncs_are_counted_by_result_and_errors_by_kind(cluster):
 
     ok, permanent_, transient = (_count(metrics.RECONCILES, r) for r in metrics.RESULTS)
     rejected_, transient_api = _count(metrics.ERRORS, "api_rejected"), _count(metrics.ERRORS, "api_transient")
-    reconcile()
+    reconcile(cluster)
     assert _count(metrics.RECONCILES, "ok") == ok + 1
     cluster.refuse["Service"] = 503
     del cluster.objects["Service"]
-    handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+    cluster.handlers.service_changed(body=SERVICE_GONE, type="DELETED")
     assert _count(metrics.RECONCILES, "transient_error") == transient + 1
     assert _count(metrics.ERRORS, "api_transient") == transient_api + 1
     cluster.refuse["Service"] = 422
     cluster.resource["metadata"]["generation"] = 2
-    reconcile()
+    reconcile(cluster)
     assert _count(metrics.RECONCILES, "permanent_error") == permanent_ + 1
     assert _count(metrics.ERRORS, "api_rejected") == rejected_ + 1
 
@@ -624,9 +614,9 @@ def test_a_failed_read_counts_as_a_transient_error_of_its_kind(cluster, monkeypa
     def hung(*_):
         raise TimeoutError("read timed out")
 
-    monkeypatch.setattr(handlers, "get_resource", hung)
+    monkeypatch.setattr(cluster, "get_resource", hung)
     transient, network = _count(metrics.RECONCILES, "transient_error"), _count(metrics.ERRORS, "network")
-    handlers.sync_or_retry("ns", "tiny")
+    cluster.reconciler.sync_or_retry("ns", "tiny")
     assert _count(metrics.RECONCILES, "transient_error") == transient + 1
     assert _count(metrics.ERRORS, "network") == network + 1
 
@@ -635,20 +625,20 @@ def test_the_healers_reapplies_are_counted_per_kind_and_a_spec_apply_is_not_one(
     from kvscale.operator import metrics
 
     before = {k: _count(metrics.CHILD_REAPPLIES, k) for k in ("Deployment", "Service")}
-    reconcile()  # creates: not a heal
+    reconcile(cluster)  # creates: not a heal
     assert {k: _count(metrics.CHILD_REAPPLIES, k) for k in before} == before
     cluster.objects["Deployment"]["spec"]["replicas"] = 7  # kubectl scale
     deployment_event(cluster)
     del cluster.objects["Service"]
-    handlers.service_changed(body=SERVICE_GONE, type="DELETED")
+    cluster.handlers.service_changed(body=SERVICE_GONE, type="DELETED")
     deployment_event(cluster)  # nothing drifted: nothing re-applied
     assert _count(metrics.CHILD_REAPPLIES, "Deployment") == before["Deployment"] + 1
     assert _count(metrics.CHILD_REAPPLIES, "Service") == before["Service"] + 1
 
 
 def test_error_kinds():
-    from kvscale.operator.leader import NotLeader
-    from kvscale.operator.metrics import error_kind
+    from kvscale.operator.kube.errors import error_kind
+    from kvscale.operator.kube.leader import NotLeader
 
     assert error_kind(ApiException(status=422)) == "api_rejected"
     assert error_kind(ApiException(status=409)) == "api_transient"
@@ -662,16 +652,16 @@ def test_error_kinds():
 
 
 def test_the_routers_children_are_healed_like_the_workers(cluster):
-    reconcile()
+    reconcile(cluster)
     assert cluster.resource["status"]["endpoint"] == "http://tiny-router.ns.svc:8000"
     cluster.calls.clear()
     for key, handler in (
-        ("RouterDeployment", handlers.deployment_changed),
-        ("RouterService", handlers.service_changed),
-        ("RouterPodDisruptionBudget", handlers.pdb_changed),
-        ("ServiceAccount", handlers.service_account_changed),
-        ("Role", handlers.role_changed),
-        ("RoleBinding", handlers.role_binding_changed),
+        ("RouterDeployment", cluster.handlers.deployment_changed),
+        ("RouterService", cluster.handlers.service_changed),
+        ("RouterPodDisruptionBudget", cluster.handlers.pdb_changed),
+        ("ServiceAccount", cluster.handlers.service_account_changed),
+        ("Role", cluster.handlers.role_changed),
+        ("RoleBinding", cluster.handlers.role_binding_changed),
     ):
         handler(body=copy.deepcopy(cluster.objects[key]), type="MODIFIED")  # as applied: no write
         assert cluster.writes() == [], key
@@ -682,7 +672,9 @@ def test_the_routers_children_are_healed_like_the_workers(cluster):
     # An edit by hand of the router's Deployment is reverted; the workers' is not touched.
     container = cluster.objects["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]
     container["image"] = "evil:1"
-    handlers.deployment_changed(body=copy.deepcopy(cluster.objects["RouterDeployment"]), type="MODIFIED")
+    cluster.handlers.deployment_changed(
+        body=copy.deepcopy(cluster.objects["RouterDeployment"]), type="MODIFIED"
+    )
     assert cluster.writes() == [("patch", "RouterDeployment")]
     assert (
         cluster.objects["RouterDeployment"]["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -690,16 +682,16 @@ def test_the_routers_children_are_healed_like_the_workers(cluster):
     )
     # A Role widened by hand is put back.
     cluster.objects["Role"]["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
-    handlers.role_changed(body=copy.deepcopy(cluster.objects["Role"]), type="MODIFIED")
+    cluster.handlers.role_changed(body=copy.deepcopy(cluster.objects["Role"]), type="MODIFIED")
     assert len(cluster.objects["Role"]["rules"]) == 2
 
 
 def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(cluster):
-    reconcile()
+    reconcile(cluster)
     cluster.resource["metadata"]["generation"] = 2
     cluster.resource["spec"] = {**SPEC, "router": {"enabled": False}}
     cluster.calls.clear()
-    reconcile()
+    reconcile(cluster)
     assert sorted(cluster.objects) == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service"]
     assert sorted(c[1] for c in cluster.calls if c[0] == "delete") == sorted(
         [
@@ -714,7 +706,7 @@ def test_switching_the_router_off_deletes_it_and_the_endpoint_is_the_workers(clu
     )
     assert cluster.resource["status"]["endpoint"] == "http://tiny.ns.svc:8000"
     cluster.calls.clear()
-    reconcile()  # nothing left to delete
+    reconcile(cluster)  # nothing left to delete
     assert not [c for c in cluster.calls if c[0] == "delete"]
 
 
@@ -724,41 +716,34 @@ def test_a_router_object_someone_else_owns_is_never_deleted(cluster):
         "kind": "Service",
         "metadata": {"name": "tiny-router", "ownerReferences": []},
     }
-    reconcile()
+    reconcile(cluster)
     assert "RouterService" in cluster.objects and not [c for c in cluster.calls if c[0] == "delete"]
 
 
 def test_an_inference_pool_is_applied_only_where_served_and_healed_by_the_resync(cluster, monkeypatch):
-    reconcile()
+    reconcile(cluster)
     assert "InferencePool" not in cluster.objects  # the CRD is not installed: never asked for
     assert not [c for c in cluster.calls if c[1] == "InferencePool"]
-    monkeypatch.setattr(handlers, "pools_served", True)  # the resync task's discovery saw it come
-    listed = lambda kind: [  # noqa: E731
-        {k: v for k, v in o.items() if k not in ("apiVersion", "kind")}
-        for key, o in cluster.objects.items()
-        if kind_of(key) == kind
-    ]
-    monkeypatch.setattr(handlers, "list_resources", lambda: [copy.deepcopy(cluster.resource)])
-    monkeypatch.setattr(handlers, "list_children", listed)
-    handlers.resync()
+    cluster.reconciler.pools_served = True  # the resync task's discovery saw it come
+    cluster.reconciler.resync()
     pool = cluster.objects["InferencePool"]
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "tiny"
     cluster.calls.clear()
-    handlers.resync()
+    cluster.reconciler.resync()
     assert cluster.writes() == []  # as applied: nothing written
     del cluster.objects["InferencePool"]  # deleted by hand: the next resync puts it back
-    handlers.resync()
+    cluster.reconciler.resync()
     assert "InferencePool" in cluster.objects
     cluster.resource["metadata"]["generation"] = 2
     cluster.resource["spec"] = {**SPEC, "inferencePool": {"enabled": False}}
-    reconcile()
+    reconcile(cluster)
     assert "InferencePool" not in cluster.objects and ("delete", "InferencePool") in cluster.calls
 
 
 def test_a_pool_whose_crd_went_since_the_last_discovery_does_not_fail_the_resource(cluster, monkeypatch):
-    monkeypatch.setattr(handlers, "pools_served", True)
+    cluster.reconciler.pools_served = True
     cluster.refuse["InferencePool"] = 404  # the CRD was deleted a moment ago
-    reconcile()
+    reconcile(cluster)
     assert degraded(cluster)["status"] == "False" and cluster.resource["status"]["observedGeneration"] == 1
     assert "Deployment" in cluster.objects and "RouterDeployment" in cluster.objects
 
@@ -775,7 +760,7 @@ def test_a_multi_node_resource_without_the_leader_worker_set_api_gets_nothing_an
     Ready and Degraded say LeaderWorkerSetUnavailable, the spec is not marked as applied, and
     nothing is retried (the discovery that sees the CRD arrive re-syncs everything)."""
     cluster.resource["spec"] = GROUP_SPEC
-    reconcile()
+    reconcile(cluster)
     assert cluster.objects == {} and [c for c in cluster.calls if c[1] != "InferenceDeployment"] == [
         ("patch", f"status/{MANAGER}")
     ]
@@ -784,16 +769,16 @@ def test_a_multi_node_resource_without_the_leader_worker_set_api_gets_nothing_an
     assert "parallelism.nodes" in ready["message"] and "kubernetes-sigs/lws" in ready["message"]
     assert condition(cluster, "Degraded")["reason"] == "LeaderWorkerSetUnavailable"
     assert cluster.resource["status"].get("observedGeneration") is None
-    assert handlers.retries.pop_due() == [] and handlers.retries._due == {}
+    assert cluster.reconciler.retries.pop_due() == [] and cluster.reconciler.retries._due == {}
 
 
 def test_the_workers_move_between_a_deployment_and_a_leader_worker_set(cluster, monkeypatch):
-    reconcile()
+    reconcile(cluster)
     assert "Deployment" in cluster.objects and "LeaderWorkerSet" not in cluster.objects
-    monkeypatch.setattr(handlers, "lws_served", True)
+    cluster.reconciler.lws_served = True
     cluster.resource["metadata"]["generation"] = 2
     cluster.resource["spec"] = GROUP_SPEC
-    reconcile()
+    reconcile(cluster)
     assert "Deployment" not in cluster.objects and ("delete", "Deployment") in cluster.calls
     lws = cluster.objects["LeaderWorkerSet"]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
@@ -801,14 +786,14 @@ def test_the_workers_move_between_a_deployment_and_a_leader_worker_set(cluster, 
     assert cluster.objects["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     # The status counts groups (replicas: 2 is two groups of two pods), from the LWS's status.
     lws["status"] = {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}
-    reconcile()
+    reconcile(cluster)
     assert cluster.resource["status"]["ready"] == "1/2"
     assert condition(cluster, "Ready")["reason"] == "PartiallyReady"
     lws["status"]["readyReplicas"] = 2
-    reconcile()
+    reconcile(cluster)
     assert cluster.resource["status"]["ready"] == "2/2"
     assert condition(cluster, "Ready")["reason"] == "AllWorkersReady"
     cluster.resource["metadata"]["generation"] = 3
     cluster.resource["spec"] = SPEC
-    reconcile()
+    reconcile(cluster)
     assert "LeaderWorkerSet" not in cluster.objects and "Deployment" in cluster.objects

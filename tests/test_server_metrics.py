@@ -26,9 +26,8 @@ from model_fixtures import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port, start_server
 
-from kvscale.worker.core.scheduler import SchedulerStats
-from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
-from kvscale.worker.server.metrics import EngineMetrics
+from kvscale.worker.metrics.prometheus import EngineMetrics
+from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 MODEL = "tiny"
 DASHBOARD = REPO / "docs" / "grafana-dashboard.json"

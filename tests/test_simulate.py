@@ -14,8 +14,8 @@ from pathlib import Path
 
 import simulate
 
-from kvscale.operator.autoscaling import Autoscaler, Params
-from kvscale.operator.models import AutoscalingSpec
+from kvscale.operator.api.autoscaling import AutoscalingSpec
+from kvscale.operator.autoscaler.policy import Autoscaler, Params
 
 
 def small(seed: int) -> dict:
@@ -84,7 +84,7 @@ def test_worker_model_interpolates_the_benchmark():
 
 def test_the_simulator_drives_the_operators_autoscaler_and_is_not_shipped():
     policy = simulate.KvscalePolicy(Params())
-    assert type(policy.scaler) is Autoscaler  # the object operator/autoscaler.py keeps per resource
+    assert type(policy.scaler) is Autoscaler  # the object operator/autoscaler/scaler.py keeps per resource
     workers = [simulate.Worker("w1", simulate.WorkerModel(), ready_at=0.0, started_at=-30.0)]
     policy.decide(0.0, workers, 1)
     assert policy.scaler.startups == {"w1": 30.0} and policy.scaler.lookahead_s(policy.params) == 30.0
@@ -166,7 +166,7 @@ def test_workers_count_arrivals_as_the_operator_reads_them():
 def test_requests_reach_the_workers_through_the_routers_own_picking_function(monkeypatch):
     """Not a model of the router: its picker, called for every routed request, and its queue seen
     by the autoscaler; the round-robin row calls the round-robin baseline instead."""
-    from kvscale.operator.router import picker
+    from kvscale.router import picker
 
     calls = {"pick": 0, "round-robin": 0}
     monkeypatch.setattr(

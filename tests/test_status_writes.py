@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvscale.operator import autoscaler
-from kvscale.operator.status import STATUS_MIN_INTERVAL_S, autoscaler_status_due
+from kvscale.operator.autoscaler import scaler
+from kvscale.operator.reconcile.status import STATUS_MIN_INTERVAL_S, autoscaler_status_due
 from tests.test_autoscaler_io import tick  # noqa: F401 (the fixture)
 
 SHOWN = {
@@ -43,10 +43,10 @@ def test_gauges_wait_a_minute_and_what_a_reader_acts_on_does_not():
 def _writes_per_minute(tick, monkeypatch, minutes: int = 5) -> float:  # noqa: F811
     clock = [1000.0]
     monkeypatch.setattr(
-        autoscaler, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 1.767e9 + clock[0])
+        scaler, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: 1.767e9 + clock[0])
     )
     ips = [p.status.pod_ip for p in tick.cache.of("ns", "tiny")]
-    for i in range(int(minutes * 60 / autoscaler.SCRAPE_INTERVAL_S)):
+    for i in range(int(minutes * 60 / scaler.SCRAPE_INTERVAL_S)):
         # A steady load whose KV usage moves at every scrape, as under real traffic.
         for ip in ips:
             tick.scraped[ip] = {
@@ -57,7 +57,7 @@ def _writes_per_minute(tick, monkeypatch, minutes: int = 5) -> float:  # noqa: F
             }
         decision = tick.run()
         assert decision is not None and decision.replicas == 2  # steady: no decision
-        clock[0] += autoscaler.SCRAPE_INTERVAL_S
+        clock[0] += scaler.SCRAPE_INTERVAL_S
     return len(tick.writes) / minutes
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.distributed import launcher
 from kvscale.worker.engine.llm_engine import (
     MAX_CONSECUTIVE_FAILED_STEPS,
     RequestFailedError,
     fatal_step_failure,
 )
+from kvscale.worker.executor import launcher
 from kvscale.worker.model.model_runner import LaunchedStep
 
 ENGINE = dict(num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)

@@ -1,7 +1,7 @@
 """kvscale worker: a paged-KV, continuously batching inference engine and its server.
 
-The public names load lazily, so light modules of this package (json_logging, for one, which
-the operator shares) can be imported without importing torch.
+The public names load lazily, so light modules of this package (the server's protocol models, for
+one) can be imported without importing torch.
 """
 
 from importlib import import_module

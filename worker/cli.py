@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
+from kvscale.common.json_logging import configure_logging
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.server.json_logging import configure_logging
 from kvscale.worker.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPTS = [
@@ -65,7 +65,7 @@ def serve_follower_node(args: argparse.Namespace, engine_args: EngineArgs) -> in
     """--node-rank > 0: this host only runs its tensor-parallel ranks and answers the probes."""
     import asyncio
 
-    from kvscale.worker.distributed.follower_node import serve_follower_node
+    from kvscale.worker.executor.follower_node import serve_follower_node
 
     host, port = getattr(args, "host", None), getattr(args, "port", 8000)
     return asyncio.run(serve_follower_node(engine_args, host, port))

@@ -52,7 +52,7 @@ def _groups(rank: int, world: int, ring) -> dict[str, Any]:
 def _follower(
     rank: int, world: int, port: int, parent_pid: int, reader, plan: list[tuple[str, int]], answers
 ) -> None:
-    from kvscale.worker.distributed.rank_worker import die_with_parent
+    from kvscale.worker.executor.rank_worker import die_with_parent
 
     die_with_parent(parent_pid)
     import torch

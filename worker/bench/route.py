@@ -77,7 +77,7 @@ def conversations(
 # -- processes -------------------------------------------------------------------------------------
 def _router_command() -> list[str]:
     exe = Path(sys.executable).with_name("kvscale-router")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.operator.router.main"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.router.main"]
 
 
 def _start(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> ServerProcess:

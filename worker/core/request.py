@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,16 +39,6 @@ class RequestStatus(enum.Enum):
     def finish_reason(self) -> str | None:
         """OpenAI's finish_reason: "stop", "length" or "abort"; None while unfinished."""
         return self.value if self.is_finished else None
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives, from the raw model distribution."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]
 
 
 @dataclass

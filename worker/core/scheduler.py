@@ -16,7 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvscale.worker.core.kv_cache_manager import KVCacheManager, NewlyCached
-from kvscale.worker.core.request import Request, RequestStatus, TokenLogprobs
+from kvscale.worker.core.request import Request, RequestStatus
+from kvscale.worker.metrics.stats import SchedulerStats
+from kvscale.worker.sample.logprobs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +64,6 @@ class SchedulerOutput:
         return not self.requests
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -85,6 +77,20 @@ class Scheduler:
         self.grammar_failures: list[Request] = []
 
     # -- admission ---------------------------------------------------------------------------
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        """A request's max_tokens, decided here once (the engine's make_request and the server's
+        validation both ask): what the client asked for, else up to the model length clipped to
+        what the whole KV pool holds, so that it is not refused for a worst case nobody asked
+        for. Either way the request ends at the model length (_length_capped)."""
+        if requested is not None:
+            return requested
+        pool = self.kv.num_blocks * self.kv.block_size
+        return max(1, min(self.config.max_model_len, pool) - prompt_len)
+
+    def final_length(self, request: Request) -> int:
+        """The most tokens the request can come to hold: prompt + max_tokens, within the model length."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
+
     def check_admissible(self, request: Request) -> None:
         """Raise ValueError when the request could never run: too long for the model or the pool."""
         n, limit = request.num_prompt_tokens, self.config.max_model_len
@@ -92,8 +98,7 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if n > limit:
             raise ValueError(f"the prompt has {n} tokens, more than the maximum model length of {limit}")
-        # Worst case the request grows to min(prompt + max_tokens, max_model_len) tokens.
-        need = self.kv.blocks_needed(min(n + request.max_tokens, limit))
+        need = self.kv.blocks_needed(self.final_length(request))  # its worst case
         if need > self.kv.num_blocks:
             raise ValueError(
                 f"the request needs up to {need} KV blocks ({n} prompt tokens + {request.max_tokens} max "
@@ -218,12 +223,9 @@ class Scheduler:
         return request.num_pending_tokens > 0 and self._length_capped(request, request.num_pending_tokens)
 
     def _length_capped(self, request: Request, ahead: int = 0) -> bool:
-        """The request has max_tokens output tokens, or fills the model length, counting `ahead`
-        tokens beyond those it holds."""
-        return (
-            request.num_output_tokens + ahead >= request.max_tokens
-            or request.num_tokens + ahead >= self.config.max_model_len
-        )
+        """The request has max_tokens output tokens, or fills the model length (final_length),
+        counting `ahead` tokens beyond those it holds."""
+        return request.num_tokens + ahead >= self.final_length(request)
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         out.requests.append(request)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
+from kvscale.worker.metrics.prometheus import EngineMetrics
 from kvscale.worker.sample.sampling_params import SamplingParams
-from kvscale.worker.server.metrics import EngineMetrics
 from kvscale.worker.structured_output.manager import GrammarHandle
 from kvscale.worker.structured_output.request import GrammarCompileTimeout
 

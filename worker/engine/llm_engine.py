@@ -27,7 +27,7 @@ from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerO
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
-from kvscale.worker.engine.stats import FinishedRequestStats, IterationStats
+from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.llama import DecoderSpec
 from kvscale.worker.model.loader import load_config, load_generation_defaults, load_tokenizer
 from kvscale.worker.model.model_runner import LaunchedStep, ModelRunner
@@ -139,7 +139,7 @@ class LLMEngine:
                 raise ValueError("only node_rank 0 runs the engine; other nodes run ranks only")
             # Refuse a size the heads cannot be split into before any process starts.
             DecoderSpec.from_hf_config(load_config(args.model)).layout(0, args.tensor_parallel_size)
-            from kvscale.worker.distributed.launcher import TensorParallelDriver
+            from kvscale.worker.executor.launcher import TensorParallelDriver
 
             self.tp_driver = TensorParallelDriver(args)
         try:
@@ -269,12 +269,7 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         text, prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        # Without max_tokens a request may run to the model length, or to what the whole pool holds
-        # when that is less (so it is not refused for a worst case nobody asked for).
-        room = min(self.max_model_len, self.kv_cache_manager.num_blocks * self.args.block_size) - len(
-            prompt_ids
-        )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        max_tokens = self.scheduler.max_tokens_for(len(prompt_ids), params.max_tokens)
         grammar_future = None if grammar is None else grammar.future
         parsed = None
         if params.structured_outputs is not None and grammar is None:
@@ -299,7 +294,7 @@ class LLMEngine:
                 prompt_token_ids=prompt_ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
-                max_tokens=max(1, max_tokens),
+                max_tokens=max_tokens,
                 arrival_time=arrival,
                 prompt=text,
                 bad_words_token_ids=bad_words,
@@ -457,7 +452,7 @@ class LLMEngine:
         if reason is not None:
             logger.error("the engine cannot go on: %s", reason)
             if tensor_parallel:  # /health answers 500 and the server exits 1 (api_server.exit_soon)
-                from kvscale.worker.distributed.launcher import record_group_failure
+                from kvscale.worker.executor.launcher import record_group_failure
 
                 record_group_failure(reason)
             raise error

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
-from kvscale.worker.core.request import Request, TokenLogprobs
+from kvscale.worker.core.request import Request
+from kvscale.worker.sample.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from kvscale.worker.config import EngineArgs, fit_max_model_len
-from kvscale.worker.core.request import TokenLogprobs
 from kvscale.worker.core.scheduler import SchedulerOutput
 from kvscale.worker.distributed.communication_op import gather_objects, min_over_ranks
 from kvscale.worker.distributed.step_broadcast import broadcast_step
@@ -41,6 +40,7 @@ from kvscale.worker.model.kv_cache import (
 )
 from kvscale.worker.model.layers.rope import max_rope_positions
 from kvscale.worker.model.loader import load_config, load_model, resolve_dtype
+from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.rejection_sampler import RejectionSampler, SpecDecodeRow
 from kvscale.worker.sample.sampler import (
     PenaltyState,

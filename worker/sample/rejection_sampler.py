@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvscale.worker.core.request import Request, TokenLogprobs
+from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampler import (
     PenaltyState,
     SamplingMetadata,
@@ -39,6 +40,9 @@ from kvscale.worker.sample.sampler import (
     random_sample,
     target_distribution,
 )
+
+if TYPE_CHECKING:  # a request is passed in; this layer sits below core/ (tests/test_layers.py)
+    from kvscale.worker.core.request import Request
 
 
 @dataclass

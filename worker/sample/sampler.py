@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvscale.worker.core.request import Request, TokenLogprobs
+from kvscale.worker.sample.logprobs import TokenLogprobs
+
+if TYPE_CHECKING:  # a request is passed in; this layer sits below core/ (tests/test_layers.py)
+    from kvscale.worker.core.request import Request
 
 _NEG_INF = float("-inf")
 

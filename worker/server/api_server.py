@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvscale.common.request_body import MAX_BODY_BYTES
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.distributed.launcher import group_failure, on_group_failure
 from kvscale.worker.engine.async_llm import AsyncLLM
+from kvscale.worker.executor.launcher import group_failure, on_group_failure
 from kvscale.worker.server.loop_watchdog import LoopWatchdog
 from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
 from kvscale.worker.server.protocol import APIError
-from kvscale.worker.server.request_body import MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 

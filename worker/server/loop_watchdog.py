@@ -67,7 +67,8 @@ class LoopWatchdog:
                     "pause_s": round(paused, 3),
                     "generation": info.get("generation"),
                     "collected": info.get("collected"),
-                    "thread": threading.current_thread().name,
+                    # Not "thread": a LogRecord attribute, which `extra` may not overwrite (KeyError).
+                    "collecting_thread": threading.current_thread().name,
                 },
             )
 

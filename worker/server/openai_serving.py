@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvscale.worker.core.request import TokenLogprobs
+from kvscale.common.request_body import body_limits, longest_token_bytes, parse_body
 from kvscale.worker.engine.async_llm import AsyncLLM, EngineDeadError
 from kvscale.worker.engine.llm_engine import RequestFailedError
 from kvscale.worker.engine.outputs import (
@@ -32,6 +32,7 @@ from kvscale.worker.engine.outputs import (
     add_delta,
     merge_completion,
 )
+from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.protocol import (
     MAX_PROMPTS,
@@ -40,7 +41,6 @@ from kvscale.worker.server.protocol import (
     CompletionRequest,
     NamedToolChoice,
 )
-from kvscale.worker.server.request_body import body_limits, longest_token_bytes, parse_body
 from kvscale.worker.server.tool_calls import (
     Extractor,
     NamedFunctionExtractor,
@@ -267,11 +267,8 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            # Up to the context limit, clipped to what the whole KV pool holds: never refused for a
-            # worst case nobody asked for (start-up keeps max_model_len within the pool too).
-            engine = self.llm.engine
-            pool = engine.kv_cache_manager.num_blocks * engine.args.block_size
-            return max(1, min(limit, pool) - prompt_len)
+            # The engine's default, the one the request would get offline (Scheduler.max_tokens_for).
+            return self.llm.engine.scheduler.max_tokens_for(prompt_len, None)
         if prompt_len + max_tokens > limit:
             raise _bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

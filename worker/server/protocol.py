@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
+from kvscale.common.errors import APIError
 from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
-from kvscale.worker.server.errors import APIError
 from kvscale.worker.server.tool_calls import parameters_schema, required_calls_schema
 from kvscale.worker.structured_output.budget import (
     MAX_TOOL_SCHEMA_BYTES,

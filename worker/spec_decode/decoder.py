@@ -20,7 +20,7 @@ import torch
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.core.request import Request
 from kvscale.worker.core.scheduler import Scheduler, SchedulerOutput
-from kvscale.worker.engine.stats import IterationStats
+from kvscale.worker.metrics.stats import IterationStats
 from kvscale.worker.model.forward_batch import SeqChunk
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.spec_decode.draft_proposer import DraftModelProposer

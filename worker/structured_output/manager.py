@@ -19,14 +19,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvscale.worker.core.request import Request
 from kvscale.worker.sample.sampling_params import StructuredOutputsParams
 from kvscale.worker.structured_output.backend import StructuredOutputBackend
 from kvscale.worker.structured_output.compile_pool import CompilePool
 from kvscale.worker.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:  # a request is passed in; this layer sits below core/ (tests/test_layers.py)
+    from kvscale.worker.core.request import Request
 
 DEFAULT_CACHE_BYTES = 512 * 2**20
 

@@ -1,0 +1,62 @@
+"""What fronts the workers: the router (kvscale-router) and a Gateway API Inference Extension
+InferencePool."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvscale.operator.api.validation import CamelModel, ObjectName, Quantity
+
+
+class RouterSpec(CamelModel):
+    """The router in front of the workers (kvscale-router): per-request picking by prefix
+    affinity, KV usage and queue depth, flow control, scale from zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Deploy the router and its Service (NAME-router). Off: clients use the "
+        "workers' Service, and minReplicas 0 has nothing to wake the workers.",
+    )
+    replicas: int = Field(
+        default=2,
+        ge=1,
+        le=100,
+        description="Router pods (2: one keeps serving while the other restarts or is evicted; "
+        "its PodDisruptionBudget lets one go at a time).",
+    )
+    image: str | None = Field(
+        default=None,
+        pattern=r"^\S+$",
+        max_length=512,
+        description="Router image. Default: the operator's configured router image.",
+    )
+    cpu: Quantity("500m or 2") = Field(
+        default="1", description="CPU limit per router pod (its request: 100m, or the limit when lower)."
+    )
+    memory: Quantity("256Mi") = Field(default="256Mi", description="Memory request and limit per router pod.")
+
+
+class EndpointPickerRef(CamelModel):
+    """A Gateway API Inference Extension endpoint picker (EPP) Service for the InferencePool."""
+
+    name: ObjectName("a Service") = Field(description="The endpoint picker's Service.")
+    port: int = Field(default=9002, ge=1, le=65535, description="Its ext_proc port (GIE's default).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the picker does not answer (GIE's field).",
+    )
+
+
+class InferencePoolSpec(CamelModel):
+    """The InferencePool (inference.networking.k8s.io/v1) applied where its CRD is installed."""
+
+    enabled: bool = Field(
+        default=True, description="Apply an InferencePool selecting the workers where the CRD is installed."
+    )
+    endpoint_picker: EndpointPickerRef | None = Field(
+        default=None,
+        description="The pool's endpointPickerRef: a GIE endpoint picker deployed for this pool. "
+        "Unset: none (most gateways then refuse the pool until one is set; docs/router.md).",
+    )

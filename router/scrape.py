@@ -1,0 +1,118 @@
+"""Each endpoint's /metrics at sub-second intervals, parsed with prometheus-client's text parser.
+
+Only the families the router reads are parsed: the rest of the exposition (histograms, mostly) is
+dropped line by line first, so a scrape costs the event loop a few hundred lines, not thousands.
+Sums over label sets (a worker serves one model, so there is one of each). A body past
+`max_bytes` (1 MiB; a worker's is ~20 KiB) is never read whole: the endpoint counts as a failed
+scrape (capped_body.py says why every scrape of a pod is capped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvscale.common.capped_body import TooLarge, read_capped
+from kvscale.router.state import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+# The worker's names (worker/metrics/prometheus.py): vLLM's, which every vLLM-compatible server
+# exports, and our KV pool size (the prefix index's per-endpoint capacity).
+FAMILIES = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "kvscale_kv_cache_blocks": "kv_blocks",
+}
+_PREFIXES = tuple(FAMILIES)
+MAX_BYTES = 1 << 20
+
+
+def _wanted(line: str) -> bool:
+    """A line of a family we read (`# HELP name`, `# TYPE name`, or a sample), or of one whose name
+    only extends it (`_created`: dropped below by its family name)."""
+    if line.startswith("# "):
+        parts = line.split(" ", 3)
+        return len(parts) > 2 and parts[2].startswith(_PREFIXES)
+    return line.startswith(_PREFIXES)
+
+
+def parse_metrics(text: str) -> WorkerMetrics:
+    kept = "\n".join(line for line in text.splitlines() if _wanted(line)) + "\n"
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(kept):
+        field = FAMILIES.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            if sample.name in (family.name, family.name + "_total"):
+                values[field] = values.get(field, 0.0) + sample.value
+    return WorkerMetrics(
+        kv_usage=values.get("kv_usage", 0.0),
+        waiting=int(values.get("waiting", 0)),
+        running=int(values.get("running", 0)),
+        prefix_queries=values.get("prefix_queries", 0.0),
+        prefix_hits=values.get("prefix_hits", 0.0),
+        kv_blocks=int(values.get("kv_blocks", 0)),
+    )
+
+
+class Scraper:
+    """Scrapes every endpoint each `interval_s`, at most `concurrency` at once, each within
+    `timeout_s`; a failed scrape keeps the endpoint's last metrics (its readiness is the
+    EndpointSlice's business, and a dead one is skipped by the proxy's retry)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        endpoints: Callable[[], Iterable[str]],
+        on_metrics: Callable[[str, WorkerMetrics], None],
+        interval_s: float = 0.25,
+        timeout_s: float = 1.0,
+        concurrency: int = 16,
+        max_bytes: int = MAX_BYTES,
+    ) -> None:
+        self.session, self.endpoints, self.on_metrics = session, endpoints, on_metrics
+        self.interval_s, self.timeout_s, self.max_bytes = interval_s, timeout_s, max_bytes
+        self._limit = asyncio.Semaphore(concurrency)
+        self.errors = 0
+        self.scrapes = 0
+
+    async def scrape_one(self, url: str) -> None:
+        async with self._limit:
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+                # Identity encoding: the session does not decompress (main.py), so a gzip body
+                # would not parse; asking for none keeps the cap a cap on what we parse.
+                headers = {"Accept-Encoding": "identity"}
+                get = self.session.get(
+                    url + "/metrics", timeout=timeout, headers=headers, allow_redirects=False
+                )
+                async with get as resp:
+                    if resp.status != 200:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                    body = await read_capped(resp, self.max_bytes)
+                metrics = parse_metrics(body.decode("utf-8", errors="replace"))
+            except (aiohttp.ClientError, TimeoutError, ValueError, TooLarge) as e:
+                self.errors += 1
+                logger.debug("scrape failed", extra={"endpoint": url, "error": repr(e)})
+                return
+        self.scrapes += 1
+        self.on_metrics(url, metrics)
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape_one(u) for u in list(self.endpoints())))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.scrape_all()
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

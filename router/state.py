@@ -1,0 +1,96 @@
+"""What the router knows of its endpoints, and the one place that turns it into picks: the ready
+set (from the endpoint source), each one's scraped metrics, the router's own in-flight counts and
+the prefix index. No I/O here; server.py, endpoints.py and scrape.py feed it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
+from kvscale.router.prefix_index import PrefixIndex
+
+POLICIES = ("kv-prefix", "round-robin")
+
+
+@dataclass
+class WorkerMetrics:
+    """The few values the router reads from a worker's /metrics (scrape.parse_metrics)."""
+
+    kv_usage: float = 0.0
+    waiting: int = 0
+    running: int = 0
+    prefix_queries: float = 0.0  # prompt tokens looked up in its prefix cache, since it started
+    prefix_hits: float = 0.0
+    kv_blocks: int = 0
+
+
+class RouterState:
+    def __init__(
+        self, config: PickerConfig | None = None, index: PrefixIndex | None = None, policy: str = "kv-prefix"
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r} (one of {', '.join(POLICIES)})")
+        self.config, self.policy = config or PickerConfig(), policy
+        self.index = index or PrefixIndex()
+        self.endpoints: set[str] = set()
+        self.metrics: dict[str, WorkerMetrics] = {}
+        self.in_flight: dict[str, int] = {}
+        self._turn = 0
+
+    def set_endpoints(self, endpoints: Iterable[str]) -> None:
+        """The ready set now. One that left is forgotten (its index, its metrics); its requests
+        still in flight finish and release harmlessly."""
+        new = set(endpoints)
+        for gone in self.endpoints - new:
+            self.index.remove(gone)
+            self.metrics.pop(gone, None)
+        self.endpoints = new
+
+    def update_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
+        if endpoint not in self.endpoints:
+            return
+        old = self.metrics.get(endpoint)
+        if old is not None and (m.prefix_queries < old.prefix_queries or m.prefix_hits < old.prefix_hits):
+            self.index.clear(endpoint)  # its counters restarted: so did the worker, and its cache
+        self.index.set_capacity(endpoint, m.kv_blocks)
+        self.metrics[endpoint] = m
+
+    def candidates(self, hashes: Sequence[int]) -> list[Candidate]:
+        out = []
+        for name in sorted(self.endpoints):
+            m = self.metrics.get(name) or WorkerMetrics()
+            out.append(
+                Candidate(
+                    name,
+                    kv_usage=m.kv_usage,
+                    waiting=m.waiting,
+                    running=m.running,
+                    in_flight=self.in_flight.get(name, 0),
+                    prefix_match=self.index.match_length(name, hashes),
+                )
+            )
+        return out
+
+    def choose(self, hashes: Sequence[int], exclude: Iterable[str] = ()) -> str | None:
+        """The endpoint for a request with these block hashes (not one of `exclude`: those a retry
+        already tried), counted in flight there and its blocks recorded; None: nobody can take it."""
+        skip = set(exclude)
+        cands = [c for c in self.candidates(hashes) if c.name not in skip]
+        if self.policy == "round-robin":
+            chosen = pick_round_robin(cands, self._turn, self.config)
+            self._turn += 1
+        else:
+            chosen = pick(cands, len(hashes), hashes[0] if hashes else 0, self.config)
+        if chosen is not None:
+            self.in_flight[chosen] = self.in_flight.get(chosen, 0) + 1
+            if self.policy != "round-robin":
+                self.index.record(chosen, hashes)
+        return chosen
+
+    def release(self, endpoint: str) -> None:
+        n = self.in_flight.get(endpoint, 0) - 1
+        if n > 0:
+            self.in_flight[endpoint] = n
+        else:
+            self.in_flight.pop(endpoint, None)

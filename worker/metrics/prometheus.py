@@ -1,0 +1,287 @@
+"""Prometheus metrics: ours under `kvscale_` (Prometheus naming rules: base units, `_total` on
+counters, `_ratio` for 0-1), and the same values under vLLM's names, so that dashboards, KEDA
+recipes and the Gateway API inference extension written for vLLM work unchanged.
+
+The engine thread feeds `record` once per step; every value comes from the engine itself
+(IterationStats, SchedulerStats), never from a separate estimate.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvscale.worker.metrics.stats import IterationStats, SchedulerStats
+
+# Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Structured outputs: a grammar compiles in milliseconds to seconds; a step's masks take well under one.
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# One engine step: a few ms (a compiled decode of one stream) to seconds (a long prefill, eagerly).
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+FORWARDS = ("eager", "compiled")
+FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full", "draining", "loading", "engine_dead", "invalid")
+
+
+class _Twin:
+    """One value exported under several names (ours first, then vLLM's)."""
+
+    def __init__(
+        self, kind, names: Iterable[str], doc: str, registry, labels: dict[str, str], **kwargs
+    ) -> None:
+        extra = kwargs.pop("extra_labels", ())
+        self.metrics = [kind(name, doc, [*labels, *extra], registry=registry, **kwargs) for name in names]
+        self.labels = labels
+        if not extra:
+            self.child()  # export the series (at zero) before the first event
+
+    def child(self, **extra: str):
+        return [m.labels(**self.labels, **extra) for m in self.metrics]
+
+    def set(self, value: float) -> None:
+        for m in self.child():
+            m.set(value)
+
+    def inc(self, value: float = 1.0, **extra: str) -> None:
+        if value:
+            for m in self.child(**extra):
+                m.inc(value)
+
+    def observe_all(self, values: Iterable[float]) -> None:
+        children = self.child()
+        for v in values:
+            for m in children:
+                m.observe(v)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        # A scrape must not interleave with a record: it would see ours and vLLM's twin disagree,
+        # or a step half applied (tokens counted, the request not yet finished).
+        self._lock = threading.Lock()
+        r, labels = self.registry, {"model_name": model_name}
+
+        def twin(kind, names, doc, **kw):
+            return _Twin(kind, names, doc, r, labels, **kw)
+
+        self.kv_cache_usage = twin(
+            Gauge,
+            ["kvscale_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+            "KV-cache blocks held by requests over all blocks (1 = full).",
+        )
+        self.kv_cache_blocks = twin(Gauge, ["kvscale_kv_cache_blocks"], "Blocks in the KV-cache pool.")
+        self.num_running = twin(
+            Gauge, ["kvscale_requests_running", "vllm:num_requests_running"], "Requests in the running batch."
+        )
+        self.num_waiting = twin(
+            Gauge, ["kvscale_requests_waiting", "vllm:num_requests_waiting"], "Requests queued for admission."
+        )
+        self.prompt_tokens = twin(
+            Counter,
+            ["kvscale_prompt_tokens", "vllm:prompt_tokens"],
+            "Prompt tokens of requests that started.",
+        )
+        self.generation_tokens = twin(
+            Counter, ["kvscale_generation_tokens", "vllm:generation_tokens"], "Generated tokens."
+        )
+        self.prefix_queries = twin(
+            Counter,
+            ["kvscale_prefix_cache_query_tokens", "vllm:prefix_cache_queries"],
+            "Prompt tokens looked up in the prefix cache.",
+        )
+        self.prefix_hits = twin(
+            Counter,
+            ["kvscale_prefix_cache_hit_tokens", "vllm:prefix_cache_hits"],
+            "Prompt tokens served from the prefix cache.",
+        )
+        self.preemptions = twin(
+            Counter,
+            ["kvscale_preemptions", "vllm:num_preemptions"],
+            "Requests preempted for lack of KV blocks.",
+        )
+        self.finished = twin(
+            Counter,
+            ["kvscale_requests_finished", "vllm:request_success"],
+            "Finished requests by reason.",
+            extra_labels=("finished_reason",),
+        )
+        self.ttft = twin(
+            Histogram,
+            ["kvscale_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"],
+            "Arrival to first generated token.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = twin(
+            Histogram,
+            [
+                "kvscale_inter_token_latency_seconds",
+                "vllm:inter_token_latency_seconds",
+                "vllm:time_per_output_token_seconds",
+            ],
+            "Time between consecutive generated tokens of a request.",
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e = twin(
+            Histogram,
+            ["kvscale_e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"],
+            "Arrival to finish.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.queue_time = twin(
+            Histogram,
+            ["kvscale_request_queue_time_seconds", "vllm:request_queue_time_seconds"],
+            "Arrival to first scheduled.",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.spec_drafts = twin(
+            Counter,
+            ["kvscale_spec_decode_drafts", "vllm:spec_decode_num_drafts"],
+            "Speculative proposals verified.",
+        )
+        self.spec_draft_tokens = twin(
+            Counter,
+            ["kvscale_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens"],
+            "Tokens proposed by speculative decoding.",
+        )
+        self.spec_accepted_tokens = twin(
+            Counter,
+            ["kvscale_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"],
+            "Proposed tokens the target accepted.",
+        )
+        self.spec_accepted_per_pos = twin(
+            Counter,
+            [
+                "kvscale_spec_decode_accepted_tokens_per_position",
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+            ],
+            "Accepted proposed tokens by position in the proposal.",
+            extra_labels=("position",),
+        )
+        self.rejected = twin(
+            Counter,
+            ["kvscale_requests_rejected"],
+            "Requests refused before admission, by reason (queue_full, draining, loading, engine_dead, "
+            "invalid).",
+            extra_labels=("reason",),
+        )
+        # Structured outputs (vLLM exports no such metrics: ours only).
+        self.structured_requests = twin(
+            Counter,
+            ["kvscale_structured_output_requests"],
+            "Requests queued with a structured-output constraint (JSON schema, regex, choice, grammar).",
+        )
+        self.grammar_compile = twin(
+            Histogram,
+            ["kvscale_structured_output_compile_seconds"],
+            "Time to compile one grammar (a cache hit compiles nothing).",
+            buckets=COMPILE_BUCKETS,
+        )
+        self.grammar_mask = twin(
+            Histogram,
+            ["kvscale_structured_output_mask_seconds"],
+            "Per step with constrained requests: filling their token bitmasks and applying them.",
+            buckets=MASK_BUCKETS,
+        )
+        # Cold start (issue 29): the worker serves on the eager forward while the compiled CPU forward
+        # is built behind, then switches (vLLM exports no such metrics: ours only).
+        self.step_seconds = twin(
+            Histogram,
+            ["kvscale_engine_step_seconds"],
+            "One engine step (schedule to outputs), by the forward it ran (eager, compiled).",
+            buckets=STEP_BUCKETS,
+            extra_labels=("forward",),
+        )
+        self.forward_compiled = twin(
+            Gauge,
+            ["kvscale_forward_compiled"],
+            "1 once steps run the compiled forward (CPU), 0 while they run the eager one.",
+        )
+        self.forward_compile_seconds = twin(
+            Gauge,
+            ["kvscale_forward_compile_seconds"],
+            "Seconds the compiled forward took to be ready: its build behind and load, or its load at "
+            "start-up when a package was found (0 until then).",
+        )
+        for forward in FORWARDS:
+            self.step_seconds.child(forward=forward)
+        # Labelled children exist from the start, so rate() sees a zero before the first event.
+        for reason in FINISH_REASONS:
+            self.finished.child(finished_reason=reason)
+        for reason in REJECT_REASONS:
+            self.rejected.child(reason=reason)
+
+    def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """vLLM's info gauges, set once the KV pool is sized: the Gateway API inference extension's
+        endpoint picker reads the block size and pool size (`vllm:cache_config_info`) and, for
+        LoRA affinity, `vllm:lora_requests_info` (value: when it was last updated; this engine
+        serves no adapters, so max_lora is 0 and both lists are empty)."""
+        labels = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching),
+        }
+        with self._lock:
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the KV-cache config.",
+                list(labels),
+                registry=self.registry,
+            ).labels(**labels).set(1)
+            lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests.",
+                list(lora),
+                registry=self.registry,
+            ).labels(**lora).set_to_current_time()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, consistent with whole `record` calls."""
+        with self._lock:
+            return generate_latest(self.registry)
+
+    def record(self, it: IterationStats, sched: SchedulerStats, num_blocks: int) -> None:
+        with self._lock:
+            self._record(it, sched, num_blocks)
+
+    def _record(self, it: IterationStats, sched: SchedulerStats, num_blocks: int) -> None:
+        self.kv_cache_usage.set(sched.kv_cache_usage)
+        self.kv_cache_blocks.set(num_blocks)
+        self.num_running.set(sched.num_running)
+        self.num_waiting.set(sched.num_waiting)
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.prefix_queries.inc(it.prefix_cache_queries)
+        self.prefix_hits.inc(it.prefix_cache_hits)
+        self.preemptions.inc(it.num_preemptions)
+        self.ttft.observe_all(it.time_to_first_tokens)
+        self.itl.observe_all(it.inter_token_latencies)
+        for f in it.finished:
+            self.finished.inc(finished_reason=f.finish_reason)
+            self.e2e.observe_all([f.e2e_latency])
+            if f.queue_time is not None:
+                self.queue_time.observe_all([f.queue_time])
+        self.spec_drafts.inc(it.num_drafts)
+        self.spec_draft_tokens.inc(it.num_draft_tokens)
+        self.spec_accepted_tokens.inc(it.num_accepted_tokens)
+        self.structured_requests.inc(it.num_structured_requests)
+        self.grammar_compile.observe_all(it.grammar_compile_times)
+        self.grammar_mask.observe_all(it.grammar_mask_times)
+        for forward, seconds in it.step_times:
+            for m in self.step_seconds.child(forward=forward):
+                m.observe(seconds)
+        self.forward_compiled.set(1.0 if it.forward == "compiled" else 0.0)
+        self.forward_compile_seconds.set(it.compile_seconds or 0.0)
+        for pos, n in enumerate(it.accepted_per_position):
+            self.spec_accepted_per_pos.child(position=str(pos))  # a position never accepted exports 0
+            self.spec_accepted_per_pos.inc(n, position=str(pos))

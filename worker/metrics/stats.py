@@ -1,0 +1,55 @@
+"""What one engine step did and where the scheduler stands, for the metrics: filled by the engine
+and the scheduler, read by the Prometheus exporter (prometheus.py), which the server serves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort"
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    # Prompt tokens of requests that produced their first token (vLLM counts them there too).
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    # Speculative decoding: proposals made, tokens proposed and accepted (per position too).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Structured outputs: constrained requests queued, seconds per grammar compile (each compile,
+    # not each request: the cache serves the rest), seconds per step filling and applying masks.
+    num_structured_requests: int = 0
+    grammar_compile_times: list[float] = field(default_factory=list)
+    grammar_mask_times: list[float] = field(default_factory=list)
+    # Seconds of each step (schedule to outputs), with the forward it ran: "eager" while the compiled
+    # CPU forward is being built behind, then "compiled" (model/compilation.py).
+    step_times: list[tuple[str, float]] = field(default_factory=list)
+    # The forward steps run now, and the seconds the compiled one took to get there (its build and
+    # load, or its load at start-up; None while it does not exist).
+    forward: str = "eager"
+    compile_seconds: float | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
