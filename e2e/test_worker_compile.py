@@ -185,7 +185,7 @@ def _one_run(cluster, core, ns: str, name: str, host_dir: Path, expected: str) -
     doc = example(
         name,
         ns,
-        resources={"cpu": f"{cpu}m", "memory": "2Gi"},
+        resources={"cpu": f"{cpu}m", "memory": "4Gi"},  # the example's: serving and the build behind
         compileCache={"claim": claim},
         router={"enabled": False},  # its CPU request goes to the worker
         autoscaling={"minReplicas": 1, "maxReplicas": 1},  # the autoscaler measures the pods

@@ -35,7 +35,8 @@ ready ones whatever their deletion cost, so the victims named are the ones that 
 A new worker serves only after it has loaded its model, so a rising load is met where it will be
 then: the KV demand is scaled by the growth of the arrival rate (the workers' request counters),
 whose least-squares trend over the last `trend_window_s` is projected `lookahead_s` ahead (the
-startup time measured on the pods, at most the startup budget). Arrivals, unlike KV usage, do
+startup time measured on the pods, plus the part of their wait for compiled steps that their eager
+forward does not cover, at most the startup budget). Arrivals, unlike KV usage, do
 not grow when saturated workers slow down and hold their blocks longer or drain a backlog, so the
 projection does not feed on the overload it is meant to prevent. Workers without the counters
 fall back to the KV demand's own trend.
