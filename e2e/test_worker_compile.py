@@ -1,11 +1,13 @@
-"""The worker image's default on a CPU node: the worker compiles its forward (torch.compile with
-inductor's C++ wrapper, built by the image's g++ into its cache on the pod's /tmp emptyDir) before
-it turns Ready, and serves the tokens of the eager reference. Every other e2e worker runs eagerly
-(test_operator.example sets KVSCALE_ENFORCE_EAGER=1: a cold compile is ~2 min a pod at 500m)."""
+"""The worker image's default on a CPU node: the worker turns Ready on its eager forward, builds
+its compiled forward behind it (AOTInductor, the image's g++, into its cache on the pod's /tmp
+emptyDir), switches to it, and serves the tokens of the eager reference. Every other e2e worker
+runs eagerly (test_operator.example sets KVSCALE_ENFORCE_EAGER=1: a cold compile is ~2 min a pod
+at 500m)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from kubernetes import client
@@ -29,20 +31,29 @@ def test_a_worker_pod_compiles_its_forward_by_default(operator, namespace):  # n
     doc = example("compiled", namespace, replicas=1)
     del doc["spec"]["env"]  # the image's default: no KVSCALE_ENFORCE_EAGER
     apply(operator, doc)
-    # Measured cold at 500m: ~115 s of compiling (~55 s at 2 CPUs); the startup probe allows 600 s.
-    cr = wait_ready(operator, "compiled", namespace, replicas=1, timeout=420)
+    # Ready on the eager forward (no package ships for the fixture model's shape), then the build
+    # behind: measured cold at 500m ~115 s of compiling (~55 s at 2 CPUs).
+    cr = wait_ready(operator, "compiled", namespace, replicas=1, timeout=300)
 
     core = client.CoreV1Api(operator.api)
     (pod,) = core.list_namespaced_pod(namespace, label_selector=cr["status"]["selector"]).items
-    logs = operator.kubectl("logs", pod.metadata.name, "-n", namespace, "-c", "worker").stdout
-    lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
-    (ready,) = [line for line in lines if line["msg"] == "ready"]
-    # compile_s is None when the forward runs eagerly (no g++, a failed compile, a noexec cache).
-    assert isinstance(ready["compile_s"], float) and ready["compile_s"] > 0, explain(
-        operator, "compiled", namespace
-    )
-    assert any(line["msg"].startswith("compiled the forward in") for line in lines), logs
-    assert "eager forward" not in logs and "torch.compile failed" not in logs, logs
+
+    def lines() -> list[dict]:
+        logs = operator.kubectl("logs", pod.metadata.name, "-n", namespace, "-c", "worker").stdout
+        return [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+
+    deadline = time.monotonic() + 420
+    while True:
+        seen = lines()
+        if any(line["msg"].startswith("compiled the forward in") for line in seen):
+            break
+        assert time.monotonic() < deadline, explain(operator, "compiled", namespace)
+        assert not any("could not be built" in line["msg"] for line in seen), seen
+        time.sleep(3)
+    (ready,) = [line for line in seen if line["msg"] == "ready"]
+    assert ready["compile_s"] is None, ready  # Ready before the build, not after it
+    assert not any(line["msg"].startswith("eager forward:") for line in seen), seen
+    assert not any("torch.compile failed" in line["msg"] for line in seen), seen
 
     service = core.read_namespaced_service("compiled", namespace)
     answer = complete_when_routed(f"{service.spec.cluster_ip}:{service.spec.ports[0].port}", "compiled")
