@@ -135,6 +135,19 @@ RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[wor
     && rm -rf /tmp/wheels /tmp/requirements \
     && pip check
 
+# The built-in default model's compiled CPU forward ships in the image (issue 29), so that
+# `kvscale-worker serve` / `generate` without --model compiles nothing: an AOTInductor package
+# (worker/model/aot_package.py) in the venv's share/kvscale/compiled, where the worker looks after
+# its compile cache. It is keyed by the model's shape, torch and this build machine's CPU features: a
+# node whose CPU lacks one of them refuses it and builds its own behind the eager forward. Built from
+# the model's config alone (the model folder is made and dropped here; pods make their own).
+# Measured: ~45-60 s of a 2-core build machine, 5.5 MB (docs/benchmarks.md, "Cold start").
+ARG KVSCALE_SHIP_COMPILED=1
+RUN if [ "$KVSCALE_SHIP_COMPILED" = 1 ]; then \
+        kvscale-worker --log-format text compile \
+            --compile-cache-dir "$VIRTUAL_ENV/share/kvscale/compiled" \
+        && rm -rf /tmp/* /tmp/.cache; fi
+
 # Every cache goes under /tmp (an emptyDir in the pods; the root filesystem is read-only there).
 # TORCHINDUCTOR_CACHE_DIR: inductor's compiled forward (its default, /tmp/torchinductor_USER, named
 # by the user); a volume mounted there keeps the compile across restarts.

@@ -1,18 +1,27 @@
-"""The compiled CPU forward (worker/model/compilation.py): when it is used, that it compiles at
-start-up only, and that it changes no token. The engine-vs-transformers tests run it too."""
+"""The compiled CPU forward (worker/model/compilation.py, aot_package.py, compile_behind.py): when it
+is used, its packages' keys, that a worker serves eagerly while it is built and switches between
+steps, and that it changes no token (against transformers, on both sides of the switch). The
+engine-vs-transformers tests run it too."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_engine_vs_hf import assert_greedy_matches, hf_greedy
 
 from kvscale.kernels.kv_cache import write_kv_cache
 from kvscale.kernels.paged_attention import paged_decode_attention, paged_decode_attention_unwritten
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.model import compilation
+from kvscale.worker.model import model_runner
+from kvscale.worker.model.aot_package import KEY_FILE, refusal, required_cpu_flags
 from kvscale.worker.model.compilation import CompiledForward, compile_decision
 from kvscale.worker.model.forward_batch import (
     MAX_DECODE_PADDING,
@@ -59,19 +68,88 @@ def test_enforce_eager_default_reads_the_environment(monkeypatch):
     assert EngineArgs().enforce_eager is True
 
 
+# -- packages: keys and refusal (pure) ------------------------------------------------------------
+def test_the_cpu_flags_a_compiler_command_needs():
+    assert required_cpu_flags("-mavx512f -mavx512dq -mavx512vl -mavx512bw -mfma -mavx512vnni") == [
+        "avx512_vnni",
+        "avx512bw",
+        "avx512dq",
+        "avx512f",
+        "avx512vl",
+        "fma",
+    ]
+    assert required_cpu_flags("-mavx2 -mfma -mno-avx512f -march=native") == ["avx2", "fma"]
+
+
+def test_a_package_for_other_cpu_features_or_another_torch_is_refused():
+    saved = {"format": 1, "torch": "2.15.0", "cpu_capability": "AVX512", "dtype": "float32",
+             "block_size": 16, "model": {"hidden_size": 8}, "cpu_flags": ["avx512f", "fma"]}  # fmt: skip
+    wanted = {k: v for k, v in saved.items() if k != "cpu_flags"}
+    host = frozenset({"avx512f", "fma", "sse2"})
+    assert refusal(saved, wanted, host) is None
+    assert "avx512_vnni" in refusal({**saved, "cpu_flags": ["avx512f", "avx512_vnni"]}, wanted, host)
+    assert "torch" in refusal(saved, {**wanted, "torch": "2.16.0"}, host)
+    assert "cpu_capability" in refusal(saved, {**wanted, "cpu_capability": "AVX2"}, host)
+    assert "model" in refusal(saved, {**wanted, "model": {"hidden_size": 16}}, host)
+    assert "block_size" in refusal(saved, {**wanted, "block_size": 32}, host)
+
+
+# -- a real package for the target model, built once by the real command ----------------------------
+KW = dict(num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=256)
+
+
 @pytest.fixture(scope="module")
-def engines(target_model):
-    kwargs = dict(num_kv_blocks=256, max_num_seqs=32, max_num_batched_tokens=256)
-    eager = LLM(target_model, enforce_eager=True, **kwargs)
-    compiled = LLM(target_model, enforce_eager=False, **kwargs)
-    return eager, compiled
+def package_cache(target_model, tmp_path_factory) -> Path:
+    """A compile cache holding the target model's package, built by `kvscale-worker compile`."""
+    cache = tmp_path_factory.mktemp("compiled")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscale.worker.cli", "compile", "--model", target_model,
+         "--compile-cache-dir", str(cache)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compiling graph 3/3" in done.stdout  # its progress, line by line
+    folder = Path(done.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
+    assert folder.parent == cache and (folder / KEY_FILE).is_file()
+    return cache
 
 
-def test_the_compiled_engine_compiles_at_start_up(engines):
-    _, compiled = engines
-    runner = compiled.engine.runner
-    assert isinstance(runner.model.compiled, CompiledForward) and runner.model.compiled.ready
-    assert runner.compile_seconds is not None and runner.compile_seconds > 0
+def test_a_package_found_is_loaded_before_serving(target_model, package_cache):
+    """No compile: the runners are loaded at start (a fraction of a second), nothing is built."""
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(package_cache), **KW)
+    runner = llm.engine.runner
+    assert isinstance(runner.model.compiled, CompiledForward) and runner.compiler is None
+    assert runner.compile_seconds < 5
+    # The same command again finds it and builds nothing.
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscale.worker.cli", "compile", "--model", target_model,
+         "--compile-cache-dir", str(package_cache)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and "found in" in done.stdout and "compiling graph" not in done.stdout
+
+
+def test_a_refused_package_is_not_loaded_and_is_built_anew(
+    target_model, package_cache, tmp_path, monkeypatch
+):
+    """A package whose key file names a CPU feature this machine lacks (as one built elsewhere and
+    copied under this key would): refused, never loaded, and the worker builds its own behind."""
+    folder = next(p for p in package_cache.iterdir() if (p / KEY_FILE).is_file())
+    cache = tmp_path / "cache"
+    shutil.copytree(folder, cache / folder.name)
+    key = json.loads((cache / folder.name / KEY_FILE).read_text())
+    key["cpu_flags"] = [*key["cpu_flags"], "avx10_9000"]
+    (cache / folder.name / KEY_FILE).write_text(json.dumps(key))
+    commands = []
+    monkeypatch.setattr(
+        model_runner,
+        "compile_command",
+        lambda *a: commands.append(a) or [sys.executable, "-c", "raise SystemExit(3)"],
+    )
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(cache), **KW)
+    assert llm.engine.runner.model.compiled is None
+    assert commands and commands[0][3] == cache  # a build behind, into the same cache
+    llm.engine.shutdown()
 
 
 def generate(llm: LLM, prompts, **params) -> list[list[int]]:
@@ -79,58 +157,107 @@ def generate(llm: LLM, prompts, **params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in out]
 
 
-def test_every_step_shape_runs_a_graph_compiled_at_start_up(engines):
-    """One stream, 8 streams (2..8 tokens a step), 20 streams with chunked prefill (9+), and greedy
-    tokens equal to the eager engine's; no step fell back to eager or compiled anything new."""
-    eager, compiled = engines
-    forward = compiled.engine.runner.model.compiled
-    calls = []  # (tokens, attention in the graph)
-    real = forward.compiled
-    forward.compiled = lambda *a: calls.append((a[0].shape[0], a[2] is not None)) or real(*a)
-    try:
-        for prompts in ([[0, 11, 12, 13]], [[0, *range(20 + i, 60 + i)] for i in range(8)]):
-            assert generate(compiled, prompts, max_tokens=24) == generate(eager, prompts, max_tokens=24)
-        prompts = [[0, *range(100 + 3 * i, 130 + 7 * i)] for i in range(20)]
-        assert generate(compiled, prompts, max_tokens=16) == generate(eager, prompts, max_tokens=16)
-    finally:
-        forward.compiled = real
-    sizes = {n for n, _ in calls}
-    assert {1, 8} <= sizes and max(sizes) > 8
-    # Decode-only steps of one and of 8 streams ran attention inside the graph.
-    assert {(1, True), (8, True)} <= set(calls)
+def test_every_step_shape_runs_a_compiled_graph(target_model, package_cache):
+    """One stream, 8 streams (2..8 tokens a step), 20 streams with chunked prefill (9+), greedy
+    tokens as transformers gives them; no step fell back to eager."""
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(package_cache), **KW)
+    forward = llm.engine.runner.model.compiled
+    calls = []  # (graph, tokens)
+    runners = dict(forward.runners)
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def boxed_run(self, inputs):
+            calls.append((self.name, inputs[0].shape[0]))
+            return runners[self.name].boxed_run(inputs)
+
+    forward.runners = {name: Spy(name) for name in runners}
+    for prompts, n in (
+        ([[0, 11, 12, 13]], 24),
+        ([[0, *range(20 + i, 60 + i)] for i in range(8)], 24),
+        ([[0, *range(100 + 3 * i, 130 + 7 * i)] for i in range(20)], 16),
+    ):
+        ours = generate(llm, prompts, max_tokens=n)
+        for got, (tokens, logits) in zip(
+            ours, hf_greedy(target_model, prompts, [n] * len(prompts)), strict=True
+        ):
+            assert_greedy_matches(got, tokens, logits)
+    graphs = {g for g, _ in calls}
+    assert graphs == {"decode1", "decoden", "chunk"}
+    assert ("decode1", 1) in calls and ("decoden", 8) in calls
+    assert max(n for g, n in calls if g == "chunk") > 8
     assert forward.eager_fallbacks == 0
 
 
-def test_speculative_verify_steps_match_eager(target_model):
-    """n-gram speculation verifies 1 + k tokens per request in one forward: those shapes too."""
-    kwargs = dict(num_kv_blocks=128, speculative_method="ngram", num_speculative_tokens=4)
-    prompt = [[0, *([7, 8, 9, 10] * 12)]]
-    want = generate(LLM(target_model, enforce_eager=True, **kwargs), prompt, max_tokens=40)
-    llm = LLM(target_model, enforce_eager=False, **kwargs)
-    assert generate(llm, prompt, max_tokens=40) == want
-    assert llm.engine.runner.model.compiled.eager_fallbacks == 0
+def gated_compile(folder: Path, gate: Path) -> list[str]:
+    """A stand-in for `kvscale-worker compile` whose build ends when the test opens the gate, then
+    names the real package: the switch lands where the test wants it."""
+    code = (
+        "import os, time\n"
+        f"while not os.path.exists({str(gate)!r}): time.sleep(0.005)\n"
+        f"print('compiled in 0.0 s, package: {folder}', flush=True)\n"
+    )
+    return [sys.executable, "-c", code]
 
 
-def test_a_shape_no_graph_covers_runs_eagerly_instead_of_compiling(engines, monkeypatch):
-    """Warm up the 1-token graph only: a 3-token step must not compile mid-serving; it runs the
-    eager forward (same result) and is counted."""
-    _, compiled = engines
-    model = compiled.engine.runner.model
-    monkeypatch.setattr(compilation, "WARM_UP_TOKENS", (1,))
-    torch._dynamo.reset()  # graphs are cached per function: forget the engines' 3-token graph
-    fresh = CompiledForward(model.forward_tokens)
-    runner = compiled.engine.runner
-    monkeypatch.setattr(model, "compiled", fresh)
-    with torch.inference_mode():
-        fresh.warm_up(runner._dummy_forward)
-        ids, positions = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
-        batch = build_forward_batch([SeqChunk([5, 6, 7], 0, [1])], runner.block_size, runner.device)
-        metadata = runner.backend.prepare(batch.common)
-        got = model(ids, positions, runner.kv_caches, runner.backend, metadata)
-        monkeypatch.setattr(model, "compiled", None)
-        want = model(ids, positions, runner.kv_caches, runner.backend, metadata)
-    assert fresh.eager_fallbacks == 1
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+SWITCH_MODES = {
+    "plain": {},
+    "async_scheduling": {"async_scheduling": True},
+    "ngram_speculation": {"speculative_method": "ngram", "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(SWITCH_MODES))
+def test_greedy_tokens_match_transformers_across_the_switch(
+    target_model, package_cache, tmp_path, monkeypatch, mode
+):
+    """Must-show 2 of issue 29: long generations that start on the eager forward (the package is
+    being built behind) and end on the compiled one, in one batch; every token as transformers
+    gives it, on both sides of the switch, which happens between two steps (eager steps, then
+    compiled ones, never back)."""
+    folder = next(p for p in package_cache.iterdir() if (p / KEY_FILE).is_file())
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(model_runner, "compile_command", lambda *a: gated_compile(folder, gate))
+    threads = torch.get_num_threads()
+    llm = LLM(
+        target_model,
+        enforce_eager=False,
+        compile_cache_dir=str(tmp_path / "empty"),
+        **KW,
+        **SWITCH_MODES[mode],
+    )
+    engine = llm.engine
+    assert engine.runner.model.compiled is None and engine.runner.compiler is not None
+    # While it builds, serving leaves it a core (compile_reserve_core); the switch gives it back.
+    assert torch.get_num_threads() == max(1, threads - 1)
+    prompts = [[0, *range(40 + 5 * i, 60 + 9 * i)] for i in range(3)] + [[0, *([7, 8, 9, 10] * 6)]]
+    max_new = [90, 120, 70, 110]
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n))
+        for p, n in zip(prompts, max_new, strict=True)
+    ]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    kinds = []  # the forward of each step, in order
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps == 25:
+            gate.touch()
+            assert engine.runner.compiler.wait(60)  # built and loaded: the next forward installs it
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        kinds += [kind for kind, _ in engine.take_stats().step_times]
+        steps += 1
+    switch = kinds.index("compiled")
+    assert 20 <= switch <= 30 and set(kinds[:switch]) == {"eager"} and set(kinds[switch:]) == {"compiled"}
+    assert len(kinds) - switch > 30  # most of the generation ran after the switch
+    for i, (want, logits) in zip(ids, hf_greedy(target_model, prompts, max_new), strict=True):
+        assert_greedy_matches(tokens[i], want, logits)
+        assert len(tokens[i]) == len(want)
+    assert engine.runner.model.compiled.eager_fallbacks == 0
+    assert engine.runner.switched_at is not None and engine.take_stats().forward == "compiled"
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("sliding_window", [None, 40])

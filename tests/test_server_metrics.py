@@ -160,6 +160,30 @@ def test_structured_output_metrics_move_by_the_iteration_stats():
     assert value(samples, "kvscale_structured_output_mask_seconds_bucket", le="0.0005") == 2
 
 
+def test_cold_start_metrics_show_both_phases_and_the_switch():
+    """Issue 29: step seconds by the forward they ran, and the switch to the compiled forward."""
+    metrics = EngineMetrics(MODEL)
+    samples = scrape(metrics)
+    assert value(samples, "kvscale_forward_compiled") == 0
+    assert value(samples, "kvscale_engine_step_seconds_count", forward="compiled") == 0  # exported at 0
+    idle = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    metrics.record(IterationStats(step_times=[("eager", 0.03), ("eager", 0.05)]), idle, num_blocks=64)
+    samples = scrape(metrics)
+    assert value(samples, "kvscale_engine_step_seconds_count", forward="eager") == 2
+    assert (
+        value(samples, "kvscale_forward_compiled") == 0
+        and value(samples, "kvscale_forward_compile_seconds") == 0
+    )
+    switched = IterationStats(step_times=[("compiled", 0.004)], forward="compiled", compile_seconds=41.5)
+    metrics.record(switched, idle, num_blocks=64)
+    samples = scrape(metrics)
+    assert value(samples, "kvscale_engine_step_seconds_count", forward="compiled") == 1
+    assert value(samples, "kvscale_engine_step_seconds_bucket", forward="compiled", le="0.005") == 1
+    assert math.isclose(value(samples, "kvscale_engine_step_seconds_sum", forward="eager"), 0.08)
+    assert value(samples, "kvscale_forward_compiled") == 1
+    assert value(samples, "kvscale_forward_compile_seconds") == 41.5
+
+
 def test_names_follow_prometheus_conventions():
     metrics = EngineMetrics(MODEL)
     metrics.record(iteration(), SchedulerStats(1, 0, 0.1, 0, 0, 0), num_blocks=64)

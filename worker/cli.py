@@ -4,6 +4,7 @@
     kvscale-worker serve [--model PATH] [--host H --port P] [--served-model-name N] [--api-key K]
                          [--max-queued-requests N] [--drain-timeout S] [engine flags]
     kvscale-worker download hf://ORG/NAME[@REVISION] --dest DIR [--termination-log PATH]
+    kvscale-worker compile [--model PATH] [--dtype D] [--block-size N] [--compile-cache-dir DIR]
 
 Without --model it builds (once, in ~/.cache/kvscale) a tiny random Llama with a locally trained
 tokenizer, so the command works on a fresh machine with no download.
@@ -87,7 +88,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         outputs = llm.generate(prompts, params)
     finally:
-        llm.engine.shutdown()  # stops the tensor-parallel ranks, if any
+        # Stops the tensor-parallel ranks, if any. A compile still building behind is left to finish
+        # (its own session): this run served eagerly, the next one loads what it builds.
+        llm.engine.shutdown(keep_compiling=True)
+    compiler = llm.engine.runner.compiler
+    if compiler is not None and not compiler.done.is_set():
+        print(
+            f"the compiled forward is still being built in the background (pid {compiler.process.pid}); "
+            "this run used the eager forward, the next one loads the compiled one",
+            file=sys.stderr,
+        )
     elapsed = time.monotonic() - loaded
     for out in outputs:
         completion = out.outputs[0]
@@ -98,6 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "requests": len(outputs),
         "output_tokens": num_tokens,
         "load_s": round(loaded - started, 2),
+        "forward": llm.engine.runner.forward_kind,
         "generate_s": round(elapsed, 3),
         "output_tokens_per_s": round(num_tokens / elapsed, 1),
         "mean_ttft_s": round(
@@ -135,6 +146,41 @@ def cmd_download(args: argparse.Namespace) -> int:
     from kvscale.worker.model.download import main as download
 
     return download(args.uri, args.dest, args.termination_log)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Build the compiled CPU forward's package for a model (model/aot_package.py); its last line
+    names the package's folder (compile_behind.py reads it)."""
+    from pathlib import Path
+
+    from kvscale.worker.model.aot_package import build_for_model, default_cache_dir
+
+    if args.nice:
+        os.nice(args.nice)
+
+    def say(message: str) -> None:
+        """Progress to stdout; if the reader has gone (a generate that finished first), the build
+        goes on silently so that its package still lands in the cache."""
+        try:
+            print(message, flush=True)
+        except OSError:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the rest of the process)
+            sys.stderr = sys.stdout
+
+    model = resolve_model(args.model)
+    cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
+    started = time.monotonic()
+    folder, built = build_for_model(
+        model,
+        args.dtype,
+        args.block_size,
+        cache_dir,
+        force=args.force,
+        progress=say,
+    )
+    seconds = time.monotonic() - started
+    say(f"{'compiled' if built else 'found'} in {seconds:.1f} s, package: {folder}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +243,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="/health fails while one engine step runs longer than this (seconds; 0: never)",
     )
     srv.set_defaults(func=cmd_serve)
+
+    comp = sub.add_parser(
+        "compile",
+        help="build the compiled CPU forward of a model once, for every worker of it (docs/engine.md)",
+    )
+    comp.add_argument(
+        "--model", default=None, help="a model folder (its config.json; default: the built-in model)"
+    )
+    comp.add_argument("--dtype", default="auto", help="the dtype served (auto: float32 on CPU)")
+    comp.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    comp.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="default $KVSCALE_COMPILE_CACHE, else ~/.cache/kvscale/compiled",
+    )
+    comp.add_argument("--nice", type=int, default=0, help="run at this niceness (0-19)")
+    comp.add_argument("--force", action="store_true", help="build even if a package is there")
+    comp.set_defaults(func=cmd_compile)
 
     dl = sub.add_parser(
         "download",

@@ -39,8 +39,17 @@ class EngineArgs:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | triton
-    # Always run the model eagerly: no torch.compile on CPU, no CUDA graphs (model/compilation.py).
+    # Always run the model eagerly: no compiled CPU forward, no CUDA graphs (model/compilation.py).
     enforce_eager: bool = field(default_factory=enforce_eager_default)
+    # The compiled CPU forward's packages (model/aot_package.py): where they are kept (default
+    # $KVSCALE_COMPILE_CACHE, else ~/.cache/kvscale/compiled), whether the worker serves eagerly
+    # while one is built (off: start-up waits for it), and the build's niceness (0-19; docs/engine.md).
+    # compile_reserve_core: while it is built, serving runs torch on one thread fewer, leaving the
+    # build a core of its own (an OpenMP team whose threads share cores with it stalls at every op).
+    compile_cache_dir: str | None = None
+    compile_in_background: bool = True
+    compile_nice: int = 10
+    compile_reserve_core: bool = True
     # Schedule and launch each step before the previous one's tokens reach the host, so the host's
     # work hides behind the device's (vLLM's --async-scheduling; docs/engine.md). For GPUs: on a
     # CPU the forward holds the cores itself and nothing overlaps.
@@ -95,6 +104,7 @@ class EngineArgs:
                 "kv_cache_memory_fraction must be in (0, 1]",
             ),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be positive"),
+            (0 <= self.compile_nice <= 19, f"compile_nice must be in [0, 19], got {self.compile_nice}"),
             (
                 self.attention_backend in ("auto", "torch", "triton"),
                 "attention_backend must be auto, torch or triton",

@@ -9,7 +9,9 @@ import sys
 
 from kvscale.worker.bench import (
     broadcast,
+    coldstart,
     hostile,
+    load,
     longout,
     peer,
     route,
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     broadcast.add_parser(sub, [common])
     steps.add_parser(sub, [common])
     hostile.add_parser(sub, [common])
+    load.add_parser(sub, [common])
+    coldstart.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)

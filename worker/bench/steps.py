@@ -100,6 +100,7 @@ def run(args) -> dict[str, Any]:
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         llm = LLM(
             args.model, device=args.device, enforce_eager=mode == "eager", max_num_seqs=64,
+            compile_in_background=False,
             num_kv_blocks=max(4096, blocks_needed),
         )  # fmt: skip
         runner = llm.engine.runner

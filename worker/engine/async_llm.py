@@ -113,6 +113,9 @@ class AsyncLLM:
                 # constrained request, they held the GIL (and so the event loop) for ~100 ms.
                 with contextlib.suppress(ValueError):  # no xgrammar: constraints are refused later
                     _ = self.engine.structured_output
+                compiler = self.engine.runner.compiler
+                if compiler is not None:  # built behind: an idle engine thread installs it too
+                    compiler.on_done = self._wake.set
                 self.metrics.cache_config(
                     self.args.block_size,
                     self.engine.kv_cache_manager.num_blocks,
@@ -309,6 +312,7 @@ class AsyncLLM:
                 return
             self._apply_commands(engine)
             if not engine.has_unfinished_requests():
+                engine.runner.maybe_switch()  # a compiled forward built behind, between two steps
                 self._publish_metrics()
                 self.busy_since = None
                 if engine.tp_driver is None:

@@ -178,6 +178,7 @@ class LLMEngine:
         if args.async_scheduling and not self._async_scheduling:
             logger.warning("async scheduling is off: not with speculative decoding or tensor parallelism")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._launched = False  # the current step() launched a forward (it is timed)
         self.num_async_steps = 0
         # Made with the first constrained request (the grammar library reads the whole vocabulary).
         self._structured_output: StructuredOutputManager | None = None
@@ -372,6 +373,15 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step (_step), timed for the metrics with the forward it ran."""
+        started = time.perf_counter()
+        outputs = self._step()
+        if self._launched:
+            self._launched = False
+            self._stats.step_times.append((self.runner.forward_kind, time.perf_counter() - started))
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """One step: schedule, run the forward, sample, and return what the requests gained.
 
         With async scheduling (vLLM's), the next step is scheduled and launched before this one's
@@ -399,6 +409,7 @@ class LLMEngine:
             scheduled.new_cached_blocks += self.kv_cache_manager.take_newly_cached()
             launching = True
             launched = self.runner.launch(scheduled)
+            self._launched = True
         except Exception as e:
             self._step_failed(scheduled, e, reached_ranks=launching)
             return self._take_in_flight() if self._in_flight is not None else []
@@ -520,8 +531,12 @@ class LLMEngine:
         if self.tp_driver is not None:
             self.tp_driver.ping()
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do in a single process)."""
+    def shutdown(self, keep_compiling: bool = False) -> None:
+        """Stop the tensor-parallel ranks, and a compile still building behind unless keep_compiling
+        (the CLI's generate leaves it to finish, so that the next run loads it)."""
+        runner = getattr(self, "runner", None)
+        if runner is not None and not keep_compiling:
+            runner.stop_compile()
         driver, self.tp_driver = self.tp_driver, None
         if driver is not None:
             driver.shutdown()
@@ -605,6 +620,9 @@ class LLMEngine:
         stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
         if self._structured_output is not None:
             stats.grammar_compile_times = self._structured_output.take_compile_times()
+        runner = self.runner
+        stats.forward = runner.forward_kind
+        stats.compile_seconds = runner.compiler_seconds or runner.compile_seconds
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
         return stats
 

@@ -25,6 +25,9 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 # Structured outputs: a grammar compiles in milliseconds to seconds; a step's masks take well under one.
 COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# One engine step: a few ms (a compiled decode of one stream) to seconds (a long prefill, eagerly).
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+FORWARDS = ("eager", "compiled")
 FINISH_REASONS = ("stop", "length", "abort")
 REJECT_REASONS = ("queue_full", "draining", "loading", "engine_dead", "invalid")
 
@@ -189,6 +192,28 @@ class EngineMetrics:
             "Per step with constrained requests: filling their token bitmasks and applying them.",
             buckets=MASK_BUCKETS,
         )
+        # Cold start (issue 29): the worker serves on the eager forward while the compiled CPU forward
+        # is built behind, then switches (vLLM exports no such metrics: ours only).
+        self.step_seconds = twin(
+            Histogram,
+            ["kvscale_engine_step_seconds"],
+            "One engine step (schedule to outputs), by the forward it ran (eager, compiled).",
+            buckets=STEP_BUCKETS,
+            extra_labels=("forward",),
+        )
+        self.forward_compiled = twin(
+            Gauge,
+            ["kvscale_forward_compiled"],
+            "1 once steps run the compiled forward (CPU), 0 while they run the eager one.",
+        )
+        self.forward_compile_seconds = twin(
+            Gauge,
+            ["kvscale_forward_compile_seconds"],
+            "Seconds the compiled forward took to be ready: its build behind and load, or its load at "
+            "start-up when a package was found (0 until then).",
+        )
+        for forward in FORWARDS:
+            self.step_seconds.child(forward=forward)
         # Labelled children exist from the start, so rate() sees a zero before the first event.
         for reason in FINISH_REASONS:
             self.finished.child(finished_reason=reason)
@@ -252,6 +277,11 @@ class EngineMetrics:
         self.structured_requests.inc(it.num_structured_requests)
         self.grammar_compile.observe_all(it.grammar_compile_times)
         self.grammar_mask.observe_all(it.grammar_mask_times)
+        for forward, seconds in it.step_times:
+            for m in self.step_seconds.child(forward=forward):
+                m.observe(seconds)
+        self.forward_compiled.set(1.0 if it.forward == "compiled" else 0.0)
+        self.forward_compile_seconds.set(it.compile_seconds or 0.0)
         for pos, n in enumerate(it.accepted_per_position):
             self.spec_accepted_per_pos.child(position=str(pos))  # a position never accepted exports 0
             self.spec_accepted_per_pos.inc(n, position=str(pos))

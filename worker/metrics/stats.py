@@ -36,6 +36,13 @@ class IterationStats:
     num_structured_requests: int = 0
     grammar_compile_times: list[float] = field(default_factory=list)
     grammar_mask_times: list[float] = field(default_factory=list)
+    # Seconds of each step (schedule to outputs), with the forward it ran: "eager" while the compiled
+    # CPU forward is being built behind, then "compiled" (model/compilation.py).
+    step_times: list[tuple[str, float]] = field(default_factory=list)
+    # The forward steps run now, and the seconds the compiled one took to get there (its build and
+    # load, or its load at start-up; None while it does not exist).
+    forward: str = "eager"
+    compile_seconds: float | None = None
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The compiled forward on CPU: `torch.compile` (inductor, C++ wrapper) of the model's per-token
-work, so that a decode step costs its matrix products rather than ~1,400 eager ops (issue 19).
+"""The compiled forward on CPU: the model's per-token work compiled ahead of time by AOTInductor, so
+that a decode step costs its matrix products rather than ~1,400 eager ops (issue 19), and served
+first, compiled behind (issue 29): a worker never waits for a compile to serve.
 
 What compiles is `LlamaForCausalLM.forward_tokens`: embedding, norms, projections, RoPE and the MLP,
 fused by inductor into a few C++ loops around the matmuls. Attention stays an opaque op
@@ -10,22 +11,25 @@ token: the steady state) go further: attention runs inside the graph too
 which inductor turns into one loop nest per layer reading the paged cache in place), with no Python
 between layers, and the step's keys and values are cached after it. It computes every sequence
 over the longest one's blocks, so a step whose lengths spread too far (`forward_batch.in_graph_decode`)
-keeps the backend's length buckets. Three graphs cover every step, all compiled at start-up
-(`warm_up`), never on a request's time:
+keeps the backend's length buckets. Three graphs cover every step (aot_package.py builds them):
 
 - decode-only with attention in the graph: 1 token (one stream, static shapes), and 2 or more
-  (dynamic batch and context length);
+  (dynamic batch, context length and pool size);
 - everything else (prefill chunks, speculative verification, decodes of spread-out lengths):
   2 or more tokens, dynamic.
 
-After warm-up the dispatch runs with dynamo's guard checks cut to those that tell the graphs apart
-(`skip_guard_eval_unsafe`: the full checks cost ~1 ms per call on this model) and recompiling is
-refused: a step no graph covers runs eagerly instead of stalling every request on a compile.
+A step no graph covers (a lone 1-token chunk that is not a decode) runs eagerly and is counted.
+
+Start-up (ModelRunner): a package for this model, dtype, block size, torch and CPU found in the
+compile cache or shipped with the installation is loaded before Ready (a fraction of a second);
+otherwise the worker turns Ready on the eager forward and `kvscale-worker compile` builds the
+package in a child process (compile_behind.py) at the niceness `compile_nice`; once it is loaded
+the engine thread installs it between two steps (ModelRunner.forward), never inside one.
 
 Not compiled: CUDA (CUDA graphs do this job there), tensor parallelism (the collectives inside the
-graph are untested), `enforce_eager`, machines without a C++ compiler (inductor needs one; the worker
-image has g++ for it), and a cache directory where inductor cannot write or load the libraries it
-builds (e.g. docker's `--tmpfs /tmp` without `exec`): docs/engine.md.
+graph are untested), `enforce_eager`, machines without a C++ compiler (inductor needs one to build
+a package; the worker image has g++ for it), and a cache directory where inductor cannot write or
+load the libraries it builds (e.g. docker's `--tmpfs /tmp` without `exec`): docs/engine.md.
 """
 
 from __future__ import annotations
@@ -33,14 +37,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-# Token counts compiled at start-up: one per graph (see the module docstring).
-WARM_UP_TOKENS = (1, 2)
 
 
 def inductor_cxx() -> str:
@@ -97,53 +97,32 @@ def compile_decision(
 
 
 class CompiledForward:
-    """`forward_tokens(input_ids, positions, decode)` compiled; call `warm_up` once before serving."""
+    """`forward_tokens(input_ids, positions, decode)` through a package's three AOTInductor runners
+    (aot_package.load_package); the model's rotary tables are passed in on every call."""
 
-    def __init__(self, forward_tokens) -> None:
-        # dynamo caches graphs per function, not per model: every model of this class in the process
-        # (the tests build dozens, 5 graphs each) shares forward_tokens' cache, by default 8 graphs.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-        self.eager = forward_tokens
-        # Inductor's own loops (norms, RoPE, SiLU, decode attention) take torch's threads: with decode
-        # attention in the graph, a second thread is worth waking even at one stream (measured: 2.6
-        # against 2.7 ms a step at 300 tokens of context, 2.9 against 3.5 at 1,000; at 32 streams of
-        # 300 tokens, 19 against 31 ms).
-        self.compiled = torch.compile(forward_tokens, fullgraph=True, options={"cpp_wrapper": True})
-        self.ready = False
+    def __init__(self, model, runners: dict) -> None:
+        self.model = model
+        self.runners = runners
         self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, decode=None):
-        many = input_ids.shape[0] > 1
-        if many:  # one graph for all sizes above 1, not one per size
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-        if decode is not None:  # any context length (and any batch above 1): one graph
-            torch._dynamo.mark_dynamic(decode.block_tables, 1)
-            if many:
-                torch._dynamo.mark_dynamic(decode.block_tables, 0)
-                torch._dynamo.mark_dynamic(decode.seq_lens, 0)
-        if not self.ready:
-            return self.compiled(input_ids, positions, decode)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-                return self.compiled(input_ids, positions, decode)
-        except RuntimeError as e:
-            if "recompil" not in str(e).lower():
-                raise
+        model = self.model
+        n = input_ids.shape[0]
+        if decode is not None:
+            inputs = [
+                input_ids,
+                positions,
+                model.rope_cos,
+                model.rope_sin,
+                decode.block_tables,
+                decode.seq_lens,
+            ]
+            for k, v in decode.kv_caches:
+                inputs += (k, v)
+            out = self.runners["decode1" if n == 1 else "decoden"].boxed_run(inputs)
+            return out[0], [(out[i], out[i + 1]) for i in range(1, len(out), 2)]
+        if n < 2:
             self.eager_fallbacks += 1
-            logger.warning(
-                "a step of %d tokens matched no compiled graph; it runs eagerly", input_ids.shape[0]
-            )
-            return self.eager(input_ids, positions, decode)
-
-    def warm_up(self, run_tokens) -> float:
-        """Compiles every graph; run_tokens(n, decode) runs one forward of n tokens through this:
-        n decodes (attention in the graph) or one chunk of n (attention as the opaque op, the path
-        of every step with a longer chunk). Returns the seconds it took."""
-        start = time.perf_counter()
-        for n in WARM_UP_TOKENS:
-            run_tokens(n, True)
-            if n > 1:  # a 1-token chunk is a decode: no 1-token graph of the other kind is needed
-                run_tokens(n, False)
-        self.ready = True
-        return time.perf_counter() - start
+            logger.warning("a step of %d tokens matched no compiled graph; it runs eagerly", n)
+            return model.forward_tokens(input_ids, positions)
+        return self.runners["chunk"].boxed_run([input_ids, positions, model.rope_cos, model.rope_sin])[0]

@@ -138,16 +138,23 @@ def forward_logits(
             last[i] = 1
         batch.input_ids[batch.last_token_rows(last)] = tokens
     common = batch.common
+    compiled = getattr(model, "compiled", None)  # read once: the whole step takes one forward
     if graphs is not None and graphs.can_run(common):
         hidden = graphs.run(batch.input_ids, batch.positions, common)
-    elif getattr(model, "compiled", None) is not None and in_graph_decode(common):
+    elif compiled is not None and in_graph_decode(common):
         # Decode-only on the compiled CPU forward: attention inside the graph. Two block columns at
         # least, so that no context length makes a size-1 dimension (which the graph specialises).
         tables = common.block_tables
         if tables.shape[1] < 2:
             tables = torch.cat([tables, tables], dim=1)  # the padding is masked (past seq_len)
         hidden = model.forward_decode(
-            batch.input_ids, batch.positions, kv_caches, tables, common.seq_lens, common.slot_mapping
+            batch.input_ids,
+            batch.positions,
+            kv_caches,
+            tables,
+            common.seq_lens,
+            common.slot_mapping,
+            compiled,
         )
     else:
         hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))

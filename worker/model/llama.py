@@ -234,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(spec.hidden_size, layout.vocab_per_rank, spec.vocab_size, tp=tp)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        self.compiled = None  # forward_tokens under torch.compile, where model/compilation.py made one
+        # The compiled forward_tokens (model/compilation.py), installed between steps once it exists.
+        self.compiled = None
 
     def init_rope(self, device: torch.device) -> None:
         self.rope_cos, self.rope_sin = rope_cos_sin(self.hf_config, self.max_position, device)
@@ -253,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states of the flat batch. Attention reaches the backend, its plan and the
         caches through the forward context; the rest is a function of the tokens and positions only,
-        which `compiled` (model/compilation.py) may replace with a torch.compile'd version."""
+        which `compiled` (model/compilation.py) may replace with its compiled version."""
         with set_forward_context(backend, attn_metadata, kv_caches):
             return (self.compiled or self.forward_tokens)(input_ids, positions)
 
@@ -265,20 +266,29 @@ class LlamaForCausalLM(nn.Module):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         slot_mapping: torch.Tensor,
+        compiled=None,
     ) -> torch.Tensor:
         """A decode-only step through the compiled graph with attention inside it; the step's keys
-        and values are written to the cache after it (model/compilation.py). Needs `compiled`."""
+        and values are written to the cache after it (model/compilation.py). `compiled`: the
+        compiled forward the caller chose for the step (default: the model's)."""
         decode = DecodeInputs(block_tables, seq_lens, kv_caches)
-        hidden, new_kv = self.compiled(input_ids, positions, decode)
+        hidden, new_kv = (compiled or self.compiled)(input_ids, positions, decode)
         for (k_cache, v_cache), (k, v) in zip(kv_caches, new_kv, strict=True):
             write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return hidden
 
     def forward_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, decode: DecodeInputs | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        decode: DecodeInputs | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        """Hidden states; with `decode`, also each layer's new (keys, values), not yet cached."""
-        step = StepInputs(positions, self.rope_cos, self.rope_sin, decode)
+        """Hidden states; with `decode`, also each layer's new (keys, values), not yet cached.
+        `rope`: the (cos, sin) tables, when not the model's own (the compiled packages take them as
+        inputs, so that max_model_len is not built into them)."""
+        cos, sin = rope if rope is not None else (self.rope_cos, self.rope_sin)
+        step = StepInputs(positions, cos, sin, decode)
         hidden, residual, new_kv = self.model.embed_tokens(input_ids), None, []
         for layer in self.model.layers:
             hidden, residual, kv = layer(hidden, residual, step)

@@ -3,16 +3,21 @@ from its safetensors files into our decoder (no transformers model is ever built
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import struct
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from kvscale.worker.model.llama import LlamaForCausalLM
+from kvscale.worker.model.mapped_reader import LoadProgress, read_mapped
 from kvscale.worker.sample.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,46 +82,76 @@ def load_model(
     model_path: str, hf_config, max_position: int, device: torch.device, dtype: torch.dtype, tp=None
 ):
     """Build the decoder on the meta device, allocate its parameters at the serving dtype, then fill
-    them tensor by tensor from the checkpoint. Each checkpoint tensor is read into host memory on
-    its own and cast there, so neither the device nor the host ever holds more than the served
-    weights plus one checkpoint tensor (a float32 checkpoint served in bfloat16 is never
-    materialised in float32, in full or on the device). Under tensor parallelism (tp) a rank
-    reads only its own slice of each tensor from the files (iter_safetensors_shards)."""
+    them from the checkpoint. Each file is memory-mapped and its tensors are copied, several threads
+    at a time, straight from the map into their parameters, cast on the way (mapped_reader.py): no
+    staging buffer, and neither the device nor the host ever holds a wider dtype than it serves (a
+    float32 checkpoint served in bfloat16 is never materialised in float32). Under tensor
+    parallelism (tp) a rank reads only its own slice of each tensor (iter_safetensors_shards)."""
     started = time.monotonic()
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_position, tp)
     model.tie_weights()
-    _allocate_parameters(model, device, dtype)
+    allocate_parameters(model, device, dtype)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
     files = _safetensors_files(model_path)
-    total_bytes, done_bytes, next_report = sum(p.stat().st_size for p in files), 0, 0.1
-    tensors = iter_safetensors(files) if tp is None else iter_safetensors_shards(files, model)
-    for n, name, tensor in tensors:
-        target = _load_one(model, params, name, tensor)
-        if target:
-            loaded.add(target)
-        done_bytes += tensor.numel() * tensor.element_size()
-        if done_bytes >= next_report * total_bytes:  # progress every 10% for big checkpoints
-            logger.info(
-                "loading weights: %d%% (file %d/%d, %s)",
-                100 * done_bytes // total_bytes,
-                n + 1,
-                len(files),
-                files[n].name,
-            )
-            next_report = (int(10 * done_bytes / total_bytes) + 1) / 10
+    progress = LoadProgress(f"loading weights ({len(files)} file{'s' * (len(files) > 1)})")
+    if tp is None:
+        headers = [read_safetensors_header(path) for path in files]
+        targets = read_mapped(
+            files,
+            headers,
+            SAFETENSORS_DTYPES,
+            lambda name, t: _load_one(model, params, name, t),
+            progress=progress,
+        )
+    else:
+        targets, done, total = [], 0, sum(p.stat().st_size for p in files)
+        for _, name, tensor in iter_safetensors_shards(files, model):
+            targets.append(_load_one(model, params, name, tensor))
+            done += tensor.numel() * tensor.element_size()
+            progress(done, total)
+    loaded = {t for t in targets if t}
 
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights for: {', '.join(missing[:8])}")
     model.init_rope(device)
     model.eval()
-    logger.info("model loaded in %.1fs (%s, %s)", time.monotonic() - started, device, dtype)
+    seconds = time.monotonic() - started
+    size = sum(p.stat().st_size for p in files)
+    logger.info(
+        "model loaded in %.1fs (%s, %s; %.2f GB at %.2f GB/s)",
+        seconds,
+        device,
+        dtype,
+        size / 1e9,
+        size / 1e9 / seconds,
+    )
     return model
 
 
-def _allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask for transparent huge pages under a large host tensor (where THP is `madvise`, the usual
+    default): the loader's first write into it then takes one page fault per 2 MiB, not per 4 KiB."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < 2 * HUGE_PAGE or sys.platform != "linux":
+        return
+    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (tensor.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Replace every meta parameter by an uninitialised one of the serving dtype on the device
     (`to_empty` would allocate the default dtype first, and untie tied weights)."""
     allocated: dict[int, torch.nn.Parameter] = {}
@@ -124,6 +159,8 @@ def _allocate_parameters(model: torch.nn.Module, device: torch.device, dtype: to
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in allocated:
                 empty = torch.empty(param.shape, dtype=dtype, device=device)
+                if device.type == "cpu":
+                    advise_huge_pages(empty)
                 allocated[id(param)] = torch.nn.Parameter(empty, requires_grad=False)
             setattr(module, name, allocated[id(param)])
 
@@ -156,7 +193,7 @@ def read_safetensors_header(path: Path) -> tuple[int, dict]:
     return 8 + header_len, header
 
 
-def iter_safetensors(files: list[Path]):
+def iter_safetensors(files: list[Path]):  # the reader before mapped_reader.py: bench load compares
     """(file index, name, CPU tensor) for every tensor of the files, in file order. Plain reads into
     one staging buffer sized for the largest tensor: unlike a memory map, the files' pages never
     count as this process' memory, and one buffer reused throughout leaves nothing behind. Each
@@ -257,6 +294,19 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    if dst.device.type == "cpu" and dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous():
+        # A plain memcpy that releases the GIL and starts no OpenMP team: the loader's threads copy
+        # side by side (torch's copy_ in each would wake its own pool of threads on the same cores).
+        raw = (
+            torch.uint8
+            if dst.element_size() == 1
+            else torch.int16
+            if dst.element_size() == 2
+            else torch.int32
+        )
+        if dst.element_size() in (1, 2, 4) and dst.numel():
+            np.copyto(dst.view(raw).numpy(), src.view(raw).numpy())
+            return
     if dst.device != src.device:
         src = src.to(dst.dtype)  # cast on the host: the device never sees a wider dtype
     dst.copy_(src)  # on the host, copy_ casts in place

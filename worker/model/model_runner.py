@@ -7,7 +7,9 @@ prefill chunk, or a decode's token followed by its proposed tokens, verified in 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,9 +18,18 @@ from kvscale.worker.config import EngineArgs, fit_max_model_len
 from kvscale.worker.core.scheduler import SchedulerOutput
 from kvscale.worker.distributed.communication_op import gather_objects, min_over_ranks
 from kvscale.worker.distributed.step_broadcast import broadcast_step
+from kvscale.worker.model.aot_package import (
+    SHIPPED_DIR,
+    PackageRefused,
+    artefact_key,
+    default_cache_dir,
+    find_package,
+    load_package,
+)
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 from kvscale.worker.model.attention.selector import get_attention_backend
 from kvscale.worker.model.compilation import CompiledForward, compile_decision
+from kvscale.worker.model.compile_behind import BackgroundCompile, compile_command
 from kvscale.worker.model.cuda_graphs import CUDAGraphRunner
 from kvscale.worker.model.forward_batch import SeqChunk, TokenFill, forward_logits
 from kvscale.worker.model.kv_cache import (
@@ -177,8 +188,13 @@ class ModelRunner:
             if tp is None and not args.enforce_eager
             else None
         )
-        # The compiled CPU forward (model/compilation.py), compiled here so that /ready waits for it.
-        self.compile_seconds: float | None = None
+        # The compiled CPU forward (model/compilation.py): loaded here when a package exists, else
+        # built behind (compile_behind.py) while the eager forward serves, and installed by forward().
+        self.compile_seconds: float | None = None  # start-up seconds spent on it before serving
+        self.compiler: BackgroundCompile | None = None
+        self.switched_at: float | None = None  # time.monotonic() of the switch to compiled steps
+        self.compiler_seconds: float | None = None  # the build behind's seconds, once installed
+        self._serving_threads: int | None = None  # torch's threads, while the build has one core
         self._maybe_compile(args)
 
     def _maybe_compile(self, args: EngineArgs) -> None:
@@ -186,24 +202,68 @@ class ModelRunner:
         if reason is not None:
             logger.info("eager forward: %s", reason)
             return
-        self.model.compiled = compiled = CompiledForward(self.model.forward_tokens)
-        try:
-            with torch.inference_mode():
-                self.compile_seconds = compiled.warm_up(self._dummy_forward)
-        except Exception:  # a broken toolchain must not keep the worker from serving
-            logger.warning("torch.compile failed; the forward runs eagerly", exc_info=True)
-            self.model.compiled = None
-            return
-        logger.info("compiled the forward in %.1f s", self.compile_seconds)
+        cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
+        key = artefact_key(self.spec, self.dtype, self.block_size)
+        folder = find_package(key, [cache_dir, SHIPPED_DIR])
+        if folder is not None:
+            started = time.monotonic()
+            try:
+                self.model.compiled = self._load_package(folder)
+            except PackageRefused as e:
+                logger.warning("refusing the compiled package %s; compiling anew", e)
+            except Exception:
+                logger.warning(
+                    "the compiled package %s could not be loaded; compiling anew", folder, exc_info=True
+                )
+            else:
+                self.compile_seconds = time.monotonic() - started
+                self.switched_at = time.monotonic()
+                logger.info("loaded the compiled forward from %s in %.2f s", folder, self.compile_seconds)
+                return
+        dtype = str(self.dtype).removeprefix("torch.")
+        command = compile_command(args.model, dtype, self.block_size, cache_dir, args.compile_nice)
+        logger.info(
+            "serving with the eager forward while the compiled one is built (kvscale-worker compile, "
+            "nice %d, into %s; later starts load it)", args.compile_nice, cache_dir,
+        )  # fmt: skip
+        self.compiler = BackgroundCompile(command, self._load_package)
+        if args.compile_reserve_core and args.compile_in_background and torch.get_num_threads() > 1:
+            self._serving_threads = torch.get_num_threads()  # given back by maybe_switch
+            torch.set_num_threads(self._serving_threads - 1)
+        if not args.compile_in_background:
+            self.compiler.wait()
+            self.maybe_switch()
+            self.compile_seconds = self.compiler_seconds
 
-    def _dummy_forward(self, num_tokens: int, decode: bool) -> None:
-        """One forward of num_tokens scratch tokens into block 0 (nothing is cached before serving):
-        num_tokens decodes, or one chunk of num_tokens."""
-        if decode:
-            chunks = [SeqChunk([0], 0, [0]) for _ in range(num_tokens)]
-        else:
-            chunks = [SeqChunk([0] * num_tokens, 0, [0] * -(-num_tokens // self.block_size))]
-        self.forward_step(chunks, [1] * len(chunks))
+    def _load_package(self, folder: Path) -> CompiledForward:
+        return CompiledForward(self.model, load_package(folder, self.model, self.dtype, self.block_size))
+
+    def maybe_switch(self) -> None:
+        """Install the compiled forward built behind, if it is ready: called by the engine thread
+        before a forward (and while idle), so that a step runs one forward from its start to its end."""
+        compiler = self.compiler
+        if compiler is None or not compiler.done.is_set():
+            return
+        self.compiler = None
+        if self._serving_threads is not None:  # the build's core comes back to serving
+            torch.set_num_threads(self._serving_threads)
+            self._serving_threads = None
+        if compiler.result is None:
+            return  # the build failed (logged): the forward stays eager
+        self.model.compiled = compiler.result
+        self.compiler_seconds = compiler.seconds
+        self.switched_at = time.monotonic()
+        logger.info("compiled the forward in %.1f s; steps switch to it", compiler.seconds)
+
+    @property
+    def forward_kind(self) -> str:
+        """Which forward the next step runs: compiled or eager."""
+        return "eager" if getattr(self.model, "compiled", None) is None else "compiled"
+
+    def stop_compile(self) -> None:
+        """End a build still running (the worker is going away)."""
+        if self.compiler is not None:
+            self.compiler.stop()
 
     # -- KV cache ----------------------------------------------------------------------------
     def _size_kv_cache(self, args: EngineArgs) -> int:
@@ -267,6 +327,8 @@ class ModelRunner:
         """Logits of the last num_logits[i] tokens of each chunk, chunk after chunk. On rank 0 of a
         tensor-parallel group the other ranks get the same inputs first and run the same forward
         (never with a token_fill: async scheduling is off under tensor parallelism)."""
+        if self.compiler is not None:
+            self.maybe_switch()
         if self.tp is not None:
             assert token_fill is None, "the ranks have no device copy of the pending tokens"
             broadcast_step(self.tp, (chunks, num_logits))

@@ -271,7 +271,8 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
             extra={
                 "model": model_name,
                 "kv_blocks": llm.engine.kv_cache_manager.num_blocks,
-                # Start-up seconds spent compiling the forward (None: eager), part of time-to-ready.
+                # Seconds loading a compiled package before Ready (None: Ready on the eager forward,
+                # the compiled one built behind: model/compile_behind.py).
                 "compile_s": None if compile_s is None else round(compile_s, 1),
             },
         )

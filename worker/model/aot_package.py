@@ -1,0 +1,306 @@
+"""The compiled CPU forward as AOTInductor packages: built once per model, loaded by every worker.
+
+`kvscale-worker compile` exports the model's per-token work (`LlamaForCausalLM.forward_tokens`)
+with `torch.export` and compiles it ahead of time with AOTInductor into three packages (`.pt2`),
+one per graph (see compilation.py):
+
+- `decode1`: a decode step of one sequence, attention inside the graph (static batch);
+- `decoden`: a decode step of 2+ sequences, attention inside the graph (dynamic batch, context and
+  pool size);
+- `chunk`: everything else (prefill chunks, speculative verification, spread-out decodes), 2+
+  tokens, attention as the opaque `kvscale::unified_attention` op.
+
+The packages hold code, not weights (`package_constants_in_so=False`): a worker hands its own
+parameters to the loaded runners (`user_managed`, no copy), so one package serves every checkpoint
+of a shape, and a random-weight build (the compile command never reads the safetensors) serves the
+real model. The rotary tables and KV caches are inputs, so neither max_model_len nor the pool size
+is baked in.
+
+A package is found by its key (`artefact_key`): the model's shape (DecoderSpec), dtype, KV block
+size, torch's version and the CPU's ATen capability. Loading then checks what the key file records
+against this machine: the same torch, the same capability, and every instruction-set flag the
+compiler was told to use present in /proc/cpuinfo. A package built elsewhere is refused (logged),
+never loaded, and the worker compiles its own. The code is built for the vector ISA inductor picks
+(its -m flags) rather than `-march=native`, so that a package built on one machine of a CPU
+generation runs on another; the OpenMP thread count is read at run time (`cpp.dynamic_threads`),
+so a package built on a 16-core image builder serves a 2-CPU pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
+FORMAT_VERSION = 1
+GRAPHS = ("decode1", "decoden", "chunk")
+KEY_FILE = "key.json"
+COMPILE_CACHE_ENV = "KVSCALE_COMPILE_CACHE"
+# Packages that come with the installation (the worker image builds the default model's here).
+SHIPPED_DIR = Path(sys.prefix) / "share" / "kvscale" / "compiled"
+
+# gcc's -m flag -> /proc/cpuinfo's name, where they differ.
+_CPUINFO_NAMES = {
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+    "avx512fp16": "avx512_fp16",
+    "avx512vbmi": "avx512vbmi",
+    "amx-tile": "amx_tile",
+    "amx-bf16": "amx_bf16",
+    "amx-int8": "amx_int8",
+    "f16c": "f16c",
+}
+
+
+def default_cache_dir() -> Path:
+    """Where built packages go: $KVSCALE_COMPILE_CACHE, else ~/.cache/kvscale/compiled."""
+    env = os.environ.get(COMPILE_CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "kvscale" / "compiled"
+
+
+def cpu_flags() -> frozenset[str]:
+    """This machine's instruction-set flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def required_cpu_flags(arch_flags: str) -> list[str]:
+    """The cpuinfo flags a compiler command line's `-mFOO` options need ("-mavx512f -mfma" ->
+    avx512f, fma). `-mno-...` and `-march=...` are not features."""
+    out = []
+    for flag in arch_flags.split():
+        if flag.startswith("-m") and not flag.startswith(("-mno-", "-march", "-mtune")):
+            name = flag[2:]
+            out.append(_CPUINFO_NAMES.get(name, name))
+    return sorted(set(out))
+
+
+def artefact_key(spec, dtype: torch.dtype, block_size: int) -> dict:
+    """What a package is for: the model's shape, dtype, block size, torch and the CPU's capability.
+    Its digest names the package's folder."""
+    return {
+        "format": FORMAT_VERSION,
+        "model": dataclasses.asdict(spec),
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def refusal(saved: dict, wanted: dict, host_flags: frozenset[str]) -> str | None:
+    """Why a package whose key file says `saved` must not be loaded where `wanted` is this worker's
+    key and host_flags this CPU's flags; None: it may. Pure."""
+    for field in ("format", "torch", "cpu_capability", "dtype", "block_size", "model"):
+        if saved.get(field) != wanted.get(field):
+            return f"built for {field} {saved.get(field)!r}, this worker has {wanted.get(field)!r}"
+    missing = sorted(set(saved.get("cpu_flags", [])) - host_flags)
+    if missing:
+        return f"built for CPU features this machine lacks: {', '.join(missing)}"
+    return None
+
+
+def find_package(key: dict, dirs: list[Path]) -> Path | None:
+    """The first folder among dirs/<digest> that holds a complete package."""
+    digest = key_digest(key)
+    for d in dirs:
+        folder = d / digest
+        if (folder / KEY_FILE).is_file() and all((folder / f"{g}.pt2").is_file() for g in GRAPHS):
+            return folder
+    return None
+
+
+# -- building -----------------------------------------------------------------------------------
+class _Decode(torch.nn.Module):
+    """forward_tokens with attention in the graph, over flat inputs (AOTInductor takes tensors)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, positions, cos, sin, block_tables, seq_lens, *kv):
+        from kvscale.worker.model.llama import DecodeInputs
+
+        caches = [(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
+        hidden, new_kv = self.m.forward_tokens(
+            input_ids, positions, DecodeInputs(block_tables, seq_lens, caches), rope=(cos, sin)
+        )
+        return hidden, *(t for pair in new_kv for t in pair)
+
+
+class _Chunk(torch.nn.Module):
+    """forward_tokens with attention as the opaque op (it reads the forward context at run time)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, positions, cos, sin):
+        return self.m.forward_tokens(input_ids, positions, rope=(cos, sin))
+
+
+def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
+    """Inputs to trace each graph with, and their dynamic dimensions."""
+    from torch.export import Dim
+
+    spec = model.spec
+    kv_heads = model.layout.num_kv_heads
+    rot = model.rope_cos.shape[1] if model.rope_cos is not None else spec.head_dim // 2
+    cos = torch.zeros(64, rot)
+    sin = torch.zeros(64, rot)
+    rope_dim = Dim("positions", min=2)
+    if graph == "chunk":
+        t = Dim("tokens", min=2)
+        ids = torch.zeros(5, dtype=torch.long)
+        return (ids, ids.clone(), cos, sin), ({0: t}, {0: t}, {0: rope_dim}, {0: rope_dim})
+    batch = 1 if graph == "decode1" else 3
+    blocks = Dim("blocks", min=2)
+    pool = Dim("pool", min=2)
+    kv = [
+        torch.zeros(kv_heads, 4, block_size, spec.head_dim, dtype=dtype) for _ in range(2 * spec.num_layers)
+    ]
+    ids = torch.zeros(batch, dtype=torch.long)
+    tables = torch.zeros(batch, 3, dtype=torch.long)
+    lens = torch.ones(batch, dtype=torch.long)
+    b = None if batch == 1 else Dim("batch", min=2)
+    per_seq = {} if b is None else {0: b}
+    dims = (per_seq, per_seq, {0: rope_dim}, {0: rope_dim}, {**per_seq, 1: blocks}, per_seq)
+    return (ids, ids.clone(), cos, sin, tables, lens, *kv), (*dims, tuple({1: pool} for _ in kv))  # *kv: one
+
+
+def cpu_arch_flags() -> str:
+    """The -m flags inductor compiles CPU code with on this machine (its vector ISA)."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return "" if not isa else isa.build_arch_flags()
+
+
+def build_package(model, dtype: torch.dtype, block_size: int, cache_dir: Path, progress=print) -> Path:
+    """Export and compile the three graphs of `model` (weights need not be loaded) into
+    cache_dir/<digest>, written aside and renamed into place (workers sharing the folder never see
+    half a package; two building at once both rename, the same contents). Returns the folder."""
+    import torch._inductor.config as inductor_config
+
+    key = artefact_key(model.spec, dtype, block_size)
+    arch = cpu_arch_flags()
+    # The vector ISA's flags alone, not -march=native: the code must run on every CPU that has them.
+    inductor_config.cpp.march = ""
+    inductor_config.cpp.dynamic_threads = True  # the OpenMP thread count is read at run time
+    key["cpu_flags"] = required_cpu_flags(arch)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    final = cache_dir / key_digest(artefact_key(model.spec, dtype, block_size))
+    scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        wrappers = {"decode1": _Decode(model), "decoden": _Decode(model), "chunk": _Chunk(model)}
+        for i, graph in enumerate(GRAPHS):
+            started = time.monotonic()
+            args, dynamic = _example_inputs(model, dtype, block_size, graph)
+            with torch.inference_mode():
+                exported = torch.export.export(wrappers[graph], args, dynamic_shapes=dynamic)
+            step = f"compiling graph {i + 1}/{len(GRAPHS)} ({graph})"
+            progress(f"{step}: exported in {time.monotonic() - started:.1f} s")
+            torch._inductor.aoti_compile_and_package(
+                exported,
+                package_path=str(scratch / f"{graph}.pt2"),
+                inductor_configs={"aot_inductor.package_constants_in_so": False},
+            )
+            progress(f"{step}: done in {time.monotonic() - started:.1f} s")
+        (scratch / KEY_FILE).write_text(json.dumps(key, indent=1, sort_keys=True))
+        if final.exists():  # a refused package (built for other CPU features): set aside, replaced
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            scratch.rename(final)
+        except OSError:  # another builder finished first: theirs is the same package
+            shutil.rmtree(scratch, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return final
+
+
+# -- loading ------------------------------------------------------------------------------------
+class PackageRefused(Exception):
+    """A package that must not be loaded here (built for other CPU features or another torch)."""
+
+
+def load_package(folder: Path, model, dtype: torch.dtype, block_size: int):
+    """The three runners of a package, with this model's parameters as their constants (no copy).
+    Raises PackageRefused when its key file does not fit this worker and machine."""
+    from torch.export.pt2_archive._package import AOTICompiledModel
+
+    saved = json.loads((folder / KEY_FILE).read_text())
+    wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size)))  # tuples as JSON has them
+    reason = refusal(saved, wanted, cpu_flags())
+    if reason is not None:
+        raise PackageRefused(f"{folder}: {reason}")
+    runners = {}
+    wrappers = {"decode1": _Decode(model), "decoden": _Decode(model), "chunk": _Chunk(model)}
+    for graph in GRAPHS:
+        # The loader itself (torch._inductor.aoti_load_package also probes the vector ISA by
+        # compiling test programs, seconds of g++ for a warning; refusal() has checked the CPU).
+        loader = torch._C._aoti.AOTIModelPackageLoader(
+            str(folder / f"{graph}.pt2"), "model", False, 1, -1, False
+        )
+        runner = AOTICompiledModel(loader)
+        named = dict(wrappers[graph].named_parameters(remove_duplicate=False))
+        named.update(wrappers[graph].named_buffers(remove_duplicate=False))
+        wanted = runner.get_constant_fqns()
+        unknown = [name for name in wanted if name not in named]
+        if unknown:
+            raise PackageRefused(f"{folder}: {graph} wants constants this model lacks: {unknown[:4]}")
+        runner.load_constants({n: named[n] for n in wanted}, check_full_update=True, user_managed=True)
+        runners[graph] = loader
+    return runners
+
+
+def build_for_model(
+    model_path: str, dtype_name: str, block_size: int, cache_dir: Path, force: bool = False, progress=print
+) -> tuple[Path, bool]:
+    """The package for a model folder (its config alone: no weight is read), built unless one for
+    this machine is already in cache_dir. Returns (folder, whether it was built now)."""
+    from kvscale.worker.model.llama import LlamaForCausalLM
+    from kvscale.worker.model.loader import allocate_parameters, load_config, resolve_dtype
+
+    config = load_config(model_path)
+    cpu = torch.device("cpu")
+    dtype = resolve_dtype(dtype_name, config, cpu)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_position=64)
+    model.tie_weights()
+    allocate_parameters(model, cpu, dtype)  # never written: the package holds code, not weights
+    model.init_rope(cpu)
+    key = artefact_key(model.spec, dtype, block_size)
+    found = find_package(key, [cache_dir])
+    if found is not None and not force:
+        try:
+            load_package(found, model, dtype, block_size)
+            return found, False
+        except PackageRefused as e:
+            progress(f"refusing {e}; compiling anew")
+    progress(f"compiling the forward of {model_path} ({dtype}, block size {block_size}) into {cache_dir}")
+    return build_package(model, dtype, block_size, cache_dir, progress), True
