@@ -1,10 +1,10 @@
 """What the whole suite shares, tests/ and e2e/ alike: how pytest-xdist splits it, and CI's skip policy.
 
-pyproject.toml runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Every e2e
-test is in one group, so one worker runs them all, in order, against the one real node a machine
-can have (its bridge, addresses and image tags are machine-wide), while the other runs the unit
-modules; those mostly use the CPU, the e2e tests mostly wait on pods. Each unit module is a group
-of its own, so its module-scoped fixtures (a server, an LLM) are built once.
+pyproject.toml runs the suite on two pytest-xdist workers (`-n 2`). pytest_xdist_make_scheduler
+makes every e2e test one work unit, so one worker runs them all, in order, against the one real
+node a machine can have (its bridge, addresses and image tags are machine-wide), while the other
+runs the unit modules; those mostly use the CPU, the e2e tests mostly wait on pods. Each unit module is a work
+unit of its own, so its module-scoped fixtures (a server, an LLM) are built once.
 
 CI's skip policy: with KVSCALE_CI=1 (.ci/run sets it) a skipped test
 fails the run unless its reason matches an entry of ALLOWED_SKIPS, each with why CI may skip it.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
 
@@ -32,11 +31,31 @@ ALLOWED_SKIPS: dict[str, str] = {}
 _skips: list[tuple[str, str]] = []  # (test or module, reason), in the controller process
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        parts = Path(item.path).relative_to(config.rootpath).parts
-        item.add_marker(pytest.mark.xdist_group("e2e" if parts[0] == "e2e" else "/".join(parts)))
+def work_unit(nodeid: str) -> str:
+    """The tests one xdist worker runs together: every e2e test as one unit, else a module."""
+    return "e2e" if nodeid.startswith("e2e/") else nodeid.split("::", 1)[0]
+
+
+class XdistScheduling:
+    """Registered only where pytest-xdist is loaded: its hook is unknown elsewhere (`-p no:xdist`)."""
+
+    # Our own scope split rather than `--dist loadgroup`: xdist 3.8 marks groups by renaming
+    # item._nodeid, which pytest 9 no longer reads (nodeid comes from item._id), so every
+    # xdist_group is silently ignored and e2e tests would start two real nodes at once.
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class E2EOnOneWorker(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return work_unit(nodeid)
+
+        return E2EOnOneWorker(config, log)
+
+
+def pytest_configure(config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistScheduling(), "kvscale-xdist-scheduling")
 
 
 def skip_reason(longrepr) -> str:

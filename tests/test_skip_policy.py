@@ -59,3 +59,27 @@ def test_elsewhere_a_skip_is_a_skip(tmp_path):
     result = run(tmp_path, ci=False)
     assert result.returncode == 0, result.stdout
     assert "1 passed, 1 skipped" in result.stdout and "skip policy" not in result.stdout
+
+
+def test_every_e2e_test_runs_on_one_xdist_worker(tmp_path):
+    # Guards the scheduler in conftest.py: with `--dist loadgroup` on pytest 9 the e2e modules were
+    # spread over both workers, and each started its own real node on the same bridge.
+    shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")
+    record = "import os, pathlib\ndef test_{n}():\n    pathlib.Path('{n}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+    for d, names in {"e2e": ["a", "b", "c", "d"], "tests": ["e", "f", "g", "h"]}.items():
+        (tmp_path / d).mkdir()
+        for n in names:
+            (tmp_path / d / f"test_{n}.py").write_text(record.format(n=n))
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSCALE_CI", "PYTEST_ADDOPTS")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "e2e", "tests"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout
+    workers = {n: (tmp_path / n).read_text() for n in "abcdefgh"}
+    assert len({workers[n] for n in "abcd"}) == 1, workers
+    assert len(set(workers.values())) == 2, workers  # the unit modules ran beside them
