@@ -65,7 +65,10 @@ def test_every_e2e_test_runs_on_one_xdist_worker(tmp_path):
     # Guards the scheduler in conftest.py: with `--dist loadgroup` on pytest 9 the e2e modules were
     # spread over both workers, and each started its own real node on the same bridge.
     shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")
-    record = "import os, pathlib\ndef test_{n}():\n    pathlib.Path('{n}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+    record = (
+        "import os, pathlib\n"
+        "def test_{n}():\n    pathlib.Path('{n}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
     for d, names in {"e2e": ["a", "b", "c", "d"], "tests": ["e", "f", "g", "h"]}.items():
         (tmp_path / d).mkdir()
         for n in names:
