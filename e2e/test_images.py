@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 
 # /tmp as a pod's emptyDir is: writable and not noexec (docker's --tmpfs is noexec unless told `exec`;
 # the worker loads the forward inductor compiles from there).
-LOCKED_DOWN = ["--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,exec,size=256m", "--cap-drop", "ALL"]
+# /tmp as the worker pod has it: writable, exec, and 2 GiB (workers.ephemeralStorage's default); the
+# build behind writes inductor's ~160 MB precompiled header there (256 MiB ran out).
+LOCKED_DOWN = ["--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,exec,size=2g", "--cap-drop", "ALL"]
 IDENTITY = (
     "import os, pathlib; print(os.getuid(), os.getgid());"
     "p = pathlib.Path('/opt/kvscale/x');"
