@@ -197,8 +197,9 @@ def lock() -> None:
 
 
 def _build_cli() -> int:
+    """Both images (not the pause image: it needs the Go build, which .ci/run runs beside this,
+    and the real node's session makes it from the built binary, e2e/realnode.py)."""
     import runtime
-    from cluster import ensure_built
 
     reason = runtime.unavailable()
     if reason:
@@ -208,7 +209,6 @@ def _build_cli() -> int:
     ledger.teardown()
     try:
         rt = Runtimes(ledger, runtime.RUN_DIR / "logs").start()
-        pause_image(rt, ensure_built().pause)
         built = build(rt)
         for tag, size in built.sizes.items():
             print(f"{tag}: {size / 1e9:.2f} GB")

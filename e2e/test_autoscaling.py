@@ -212,7 +212,14 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
     )
     load.stop(heavy)
     load.stop(light_old)
-    time.sleep(2)  # the remaining worker keeps serving
+    # The remaining worker keeps serving, directly and through the Service, after the other went.
+    served = load.served(second), load.served("service")
+    wait_for(
+        lambda: load.served(second) > served[0] and load.served("service") > served[1],
+        timeout=120,
+        interval=0.2,
+        what="the remaining worker to serve again",
+    )
     load.stop(light_new)
     load.stop(via_service)
 

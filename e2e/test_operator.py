@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from audit import OPERATOR_USER, applied, audit_lines
 from images import WORKER_IMAGE
 from kubernetes import client
 from model_fixtures import SHARED_MODELS, TARGET
@@ -31,7 +32,6 @@ from test_controlplane import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_NS, OPERATOR = "kvscale-system", "kvscale-operator"
-OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NS}:{OPERATOR}"
 GROUP, VERSION, PLURAL = "kvscale.dev", "v1alpha1", "inferencedeployments"
 
 
@@ -139,6 +139,17 @@ def namespace(operator):
         )
 
 
+@pytest.fixture(scope="module")
+def refusing_namespace(operator):
+    """One namespace for the module's tests whose every resource the API server refuses: nothing
+    is ever created in it (each test checks), so the tests cannot see each other's, and it needs
+    no model volume (no pod runs)."""
+    name = f"refused-{uuid.uuid4().hex[:6]}"
+    operator.kubectl("create", "namespace", name)
+    yield name
+    operator.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 # Per worker: two workers and a rollout's surge (three) plus both operator pods fit the node's
 # two CPUs; the kubelet enforces the limit (requests = limits).
 WORKER_RESOURCES = {"cpu": "500m", "memory": "2Gi"}
@@ -184,6 +195,27 @@ def wait_ready(cluster, name: str, namespace: str, replicas: int, timeout: float
         return wait_for(ready, timeout=timeout, interval=0.5, what=what)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{explain(cluster, name, namespace)}") from None
+
+
+def respelled(doc: dict) -> dict:
+    """doc as a new generation that renders the same children: its CPU spelled as a decimal
+    ("500m" -> "0.5"), which the API server stores in the Deployment as it stores "500m"."""
+    out = copy.deepcopy(doc)
+    assert out["spec"]["resources"]["cpu"] == "500m"
+    out["spec"]["resources"]["cpu"] = "0.5"
+    return out
+
+
+def wait_applied(cluster, name: str, namespace: str, timeout: float = 60) -> dict:
+    """The resource once status.observedGeneration has reached its generation: the operator has
+    applied that generation in full (the status write is the last step of its sync)."""
+
+    def applied_now():
+        cr = get_cr(cluster, name, namespace)
+        observed = (cr.get("status") or {}).get("observedGeneration") or 0
+        return cr if observed >= cr["metadata"]["generation"] else None
+
+    return wait_for(applied_now, timeout=timeout, interval=0.2, what=f"{name}'s generation to be applied")
 
 
 def explain(cluster, name: str, namespace: str) -> str:
@@ -340,7 +372,8 @@ def complete_when_routed(address: str, served_name: str, timeout: float = 60.0) 
         ),
     ],
 )
-def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, spec, message):
+def test_invalid_resources_are_refused_by_the_api_server(operator, refusing_namespace, spec, message):
+    namespace = refusing_namespace
     doc = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceDeployment",
@@ -353,9 +386,12 @@ def test_invalid_resources_are_refused_by_the_api_server(operator, namespace, sp
 
 
 @pytest.mark.parametrize("name", ["a" * 64, "models.llama", "8b-llama"])
-def test_names_that_cannot_name_the_children_are_refused_by_the_api_server(operator, namespace, name):
+def test_names_that_cannot_name_the_children_are_refused_by_the_api_server(
+    operator, refusing_namespace, name
+):
     """Valid names for the resource itself (a DNS subdomain) but not for its children: a label
     value has at most 63 characters, a Service name is a DNS-1035 label (no dots, a letter first)."""
+    namespace = refusing_namespace
     doc = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceDeployment",
@@ -539,10 +575,13 @@ def test_cpu_example_runs_real_workers_rolls_out_changes_and_is_collected(operat
     ).stdout
     assert "Created" in events and "ReadyTrue" in events
 
-    # Re-applying the same resource writes nothing to any child.
+    # Re-applying the same resource writes nothing to any child (a no-op on the API server: no
+    # event), nor does a new generation that renders the same children: once observedGeneration
+    # says the operator applied it in full, every child has the resourceVersion it had.
     before = children_versions(operator, "tiny", namespace)
     apply(operator, doc)
-    time.sleep(5)
+    apply(operator, respelled(doc))
+    wait_applied(operator, "tiny", namespace)
     assert children_versions(operator, "tiny", namespace) == before
 
     # An engine change rolls the workers through the Deployment: Progressing, then Ready again.
@@ -641,8 +680,11 @@ def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operato
     workers = [r for r in replica_sets if not r.metadata.name.startswith("crash-router-")]
     assert len(workers) == 1  # the restart did not produce a second pod template
 
-    # A later restart (a new leader resuming every resource) writes nothing to converged children.
+    # A later restart (a new leader resuming every resource applies each child again) writes
+    # nothing to converged children: once the audit log shows the new leader's apply of each of
+    # them, none has a new resourceVersion.
     before = children_versions(operator, "crash", namespace)
+    mark = audit_lines(operator)
     leader = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
     operator.kubectl("delete", "pod", leader, "-n", OPERATOR_NS, "--wait=false")
     wait_for(
@@ -651,7 +693,13 @@ def test_killing_the_operator_mid_reconcile_converges_without_duplicates(operato
         interval=0.5,
         what="another operator to take over",
     )
-    time.sleep(8)  # the new leader resumes and re-applies everything
+    resent = {("deployments", "crash"), ("services", "crash"), ("poddisruptionbudgets", "crash")}
+    wait_for(
+        lambda: resent <= applied(operator, mark, namespace),
+        timeout=90,
+        interval=0.5,
+        what="the new leader to apply the children again",
+    )
     assert children_versions(operator, "crash", namespace) == before
 
 

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import yaml
+from audit import audit_lines, operator_requests
 from kubernetes import client
 from test_controlplane import wait_for
 from test_operator import (  # noqa: F401 (fixtures)
@@ -25,7 +26,6 @@ from test_operator import (  # noqa: F401 (fixtures)
     namespace,
     operator,
 )
-from test_selfheal import audit_lines, operator_requests
 
 CHILD_READERS = {
     "Deployment": lambda api: client.AppsV1Api(api).read_namespaced_deployment,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from audit import audit_lines
 from kubernetes import client
 from test_controlplane import wait_for
 from test_operator import (  # noqa: F401 (fixtures)
@@ -37,7 +37,6 @@ from test_operator import (  # noqa: F401 (fixtures)
     operator,
     wait_ready,
 )
-from test_selfheal import audit_lines
 
 TESTDATA = Path(__file__).parent / "testdata"
 POOLS = ("inference.networking.k8s.io", "v1", "inferencepools")
@@ -217,7 +216,13 @@ def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
         what="the deleted worker to drain and go",
     )
     wait_ready(operator, name, ns, replicas=2)  # its replacement
-    time.sleep(3)
+    served = len(results)
+    wait_for(
+        lambda: len(results) >= served + 10,
+        timeout=120,
+        interval=0.2,
+        what="requests served by the new set of workers",
+    )
     load.stop()
     assert not load.errors, load.errors[:5]
     assert len(results) > before  # requests were served while the worker went
@@ -304,7 +309,13 @@ def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
         interval=0.5,
         what="the evicted router replaced",
     )
-    time.sleep(3)
+    served = len(results)
+    wait_for(
+        lambda: len(results) >= served + 10,
+        timeout=120,
+        interval=0.2,
+        what="requests served through the new set of routers",
+    )
     load.stop()
     assert not load.errors, load.errors[:5]
     assert len(results) > before  # served while a router went

@@ -67,10 +67,18 @@ def test_the_watcher_follows_endpointslices_through_resumed_watches(cluster, nam
                 assert time.monotonic() < deadline, f"{what}: saw {seen[-3:]}"
                 await asyncio.sleep(0.1)
 
+        async def resumed() -> None:
+            """Until the watch open now has timed out and another one is open (the first watch
+            may not be open yet when the first list is seen: then the second)."""
+            target, deadline = max(watcher.watches + 1, 2), time.monotonic() + 30
+            while watcher.watches < target:
+                assert time.monotonic() < deadline, "no watch was resumed"
+                await asyncio.sleep(0.1)
+
         try:
             await until(["http://10.0.0.1:8000"], "the first list")
             assert watcher.synced
-            await asyncio.sleep(3)  # past one watch timeout
+            await resumed()
             api.patch_namespaced_endpoint_slice(
                 "tiny-a",
                 namespace,
@@ -83,7 +91,7 @@ def test_the_watcher_follows_endpointslices_through_resumed_watches(cluster, nam
             await until(
                 ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"], "a second slice"
             )
-            await asyncio.sleep(3)
+            await resumed()
             api.patch_namespaced_endpoint_slice(  # 10.0.0.1 drains: terminating, no longer ready
                 "tiny-a",
                 namespace,
@@ -94,6 +102,7 @@ def test_the_watcher_follows_endpointslices_through_resumed_watches(cluster, nam
             await until(["http://10.0.0.3:8000"], "a deleted slice")
             assert all("10.0.0.9" not in url for urls in seen for url in urls)  # another Service's slice
             assert watcher.lists == 1  # every change came through the watch, never a relist
+            assert watcher.watches >= 3  # ... through watches resumed after the first one ended
         finally:
             watcher.stop()
 

@@ -213,6 +213,8 @@ def _one_run(cluster, core, ns: str, name: str, host_dir: Path, expected: str) -
     assert ready_line["compile_s"] is None, ready_line  # Ready on the eager forward
     build = [line["msg"] for line in lines if line["msg"].startswith("compiled the forward in")]
     assert build, [line["msg"] for line in lines]
+    assert not any(line["msg"].startswith("eager forward:") for line in lines), lines
+    assert not any("could not be built" in line["msg"] for line in lines), lines
     (package,) = [p for p in (host_dir / "compiled").iterdir() if not p.name.startswith(".")]
     assert (package / "key.json").is_file(), package  # in the shared volume, whole
 

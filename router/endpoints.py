@@ -127,6 +127,7 @@ class SliceWatcher:
         self.heard_at: float | None = None
         self.synced = False
         self.lists = 0  # how many times it listed (the first, one per 410 Gone or failed watch)
+        self.watches = 0  # how many watches it opened (one more each time one ends and is resumed)
         self._api = api
         self._watch_factory = watch_factory
         self._stop = threading.Event()
@@ -203,6 +204,7 @@ class SliceWatcher:
                     publish(endpoints_from_slices(slices.values(), self.port_name))
                     self.synced = True
                 self._watch = new_watch()
+                self.watches += 1
                 stream = self._watch.stream(
                     self._client().list_namespaced_endpoint_slice,
                     self.namespace,

@@ -46,7 +46,10 @@ def pod(
     rv: str = "1",
     refs: list | None = None,
     ip: str | None = None,
+    startup_s: float = 0.0,
 ):
+    """A worker pod of `owner`, Ready at T0, its container started `startup_s` before that."""
+    started = T0 - dt.timedelta(seconds=startup_s)
     return client.V1Pod(
         metadata=client.V1ObjectMeta(
             name=name,
@@ -66,7 +69,7 @@ def pod(
                     image_id="",
                     ready=ready,
                     restart_count=0,
-                    state=client.V1ContainerState(running=client.V1ContainerStateRunning(started_at=T0)),
+                    state=client.V1ContainerState(running=client.V1ContainerStateRunning(started_at=started)),
                 )
             ],
         ),
@@ -285,7 +288,10 @@ OWNERS = {
 @pytest.fixture
 def tick(monkeypatch):
     cache = PodCache()
-    cache.replace([pod("tiny-1"), pod("tiny-2"), pod("other-1", "other")])
+    # tiny's workers took 12 s and 14 s from their container's start to Ready; another resource's 40 s.
+    cache.replace(
+        [pod("tiny-1", startup_s=12), pod("tiny-2", startup_s=14), pod("other-1", "other", startup_s=40)]
+    )
     load = {"kv_usage": 0.5, "waiting": 0.0, "running": 1.0, "arrivals": 10.0}
     scraped: dict[str, dict | None] = {}
     writes: list[dict] = []
@@ -324,7 +330,9 @@ def test_a_tick_reads_the_pod_cache_and_lists_nothing(tick):
         decision = tick.run()
         assert decision is not None and decision.replicas == 2
     assert CountingCore.calls == []  # no LIST (nor any other pod call) per tick
-    assert tick.target.scaler.last_lookahead_s >= 0
+    # The look-ahead is the median startup of this resource's own pods (of two, the upper one),
+    # not the spec's default (0) nor the other resource's pod.
+    assert tick.target.scaler.last_lookahead_s == 14.0
     assert counter(metrics.DECISIONS, "ns", "tiny", "hold") == holds + 5
     assert metrics.DESIRED_REPLICAS.labels("ns", "tiny")._value.get() == 2
 

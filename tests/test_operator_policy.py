@@ -452,10 +452,13 @@ def test_the_example_policy_parses_and_the_examples_pass_the_default_policy():
     (cm,) = [d for d in yaml.safe_load_all((REPO / "manifests" / "policy-example.yaml").read_text()) if d]
     example = admin_policy.parse(cm["data"]["policy.yaml"])
     assert example.network_policy.clients_from and example.max_gpus == 32
+    checked = []
     for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "InferenceDeployment":
                 assert check(InferenceDeploymentSpec.model_validate(doc["spec"]), AdminPolicy()) == [], path
+                checked.append(path.name)
+    assert "tiny-cpu.yaml" in checked  # a wrong folder checks nothing
 
 
 def test_the_operator_mounts_the_policy_where_it_reads_it():

@@ -307,11 +307,23 @@ def test_status_reports_failures_and_scale_to_zero():
     assert auto["ready"] == "3/3"
 
 
+def example_resources() -> dict[str, list[dict]]:
+    """Every InferenceDeployment of manifests/examples/, by file name."""
+    return {
+        path.name: [
+            d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "InferenceDeployment"
+        ]
+        for path in sorted((REPO / "manifests" / "examples").glob("*.yaml"))
+    }
+
+
 def test_examples_validate_against_the_models():
-    for path in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc and doc.get("kind") == "InferenceDeployment":
-                InferenceDeploymentSpec.model_validate(doc["spec"])
+    examples = example_resources()
+    assert "tiny-cpu.yaml" in examples  # the README's example: a wrong folder finds none
+    for name, docs in examples.items():
+        assert docs, f"{name} holds no InferenceDeployment"
+        for doc in docs:
+            InferenceDeploymentSpec.model_validate(doc["spec"])
 
 
 def test_docs_reference_is_generated_from_the_models():

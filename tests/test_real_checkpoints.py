@@ -28,7 +28,8 @@ from test_engine_vs_hf import assert_greedy_matches, hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.model.loader import load_generation_defaults
+from kvscale.worker.model.loader import load_generation_defaults, read_safetensors_header
+from kvscale.worker.model.mapped_reader import LOAD_THREADS
 from kvscale.worker.model.model_runner import resolve_max_model_len
 
 VOCAB = 4096  # the fixture tokenizer's (tests/model_fixtures.py TARGET); trained locally without it
@@ -376,13 +377,16 @@ def test_bf16_checkpoint_loads_within_its_own_size(large_checkpoints, folder):
 @pytest.mark.slow
 def test_float32_checkpoint_served_in_bf16_is_never_held_in_float32(large_checkpoints):
     """A float32 checkpoint served in bf16: the weights are cast tensor by tensor as they are read,
-    so the peak is the bf16 model (half the checkpoint) plus one float32 tensor, far from the
-    float32 model."""
+    so the peak is the bf16 model (half the checkpoint) plus the float32 tensors in flight (one per
+    loader thread, each dropped from the map after its copy), far from the float32 model."""
     path = large_checkpoints["f32-single"]
     result = measure_load(large_checkpoints["warm"], path, "bfloat16")
     size = checkpoint_bytes(path)
+    _, header = read_safetensors_header(path / "model.safetensors")
+    largest = max(end - begin for begin, end in (t["data_offsets"] for t in header.values()))
     assert result["served"] <= 0.51 * size
-    assert result["peak_growth"] < 0.75 * size, (result, size)
+    assert result["peak_growth"] < result["served"] + LOAD_THREADS * largest, (result, size, largest)
+    assert result["peak_growth"] < 0.9 * size, (result, size)  # the float32 model alone is 1.0
 
 
 # -- max_model_len against the RoPE configuration ---------------------------------------------------

@@ -139,6 +139,29 @@ async def router(endpoints=None, source=None, picker: PickerConfig | None = None
         yield r, url
 
 
+async def until(condition, what: str, timeout: float = 5.0):
+    """Poll `condition` (a callable, or a coroutine function) until it returns something true, and
+    return that: what a fixed sleep would only hope for (a scrape every 50 ms, a queued request)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = condition()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        assert loop.time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def scraped(r: Router, *urls: str, **expected) -> bool:
+    """Whether the router has scraped each of `urls`, with the field values `expected`."""
+    return all(
+        (m := r.state.metrics.get(u)) is not None and all(getattr(m, k) == v for k, v in expected.items())
+        for u in urls
+    )
+
+
 def refused_url() -> str:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -194,7 +217,7 @@ def test_retry_before_the_first_byte_on_a_refused_connection_and_on_503():
             workers(busy_good, draining) as urls,
             router([urls[0], urls[1], refused_url()]) as (r, url),
         ):
-            await asyncio.sleep(0.3)  # scraped
+            await until(lambda: scraped(r, urls[0], waiting=6) and scraped(r, urls[1]), "the scrapes")
             async with aiohttp.ClientSession() as s:
                 for _ in range(4):
                     async with s.post(url + "/v1/completions", json=BODY) as resp:
@@ -235,7 +258,7 @@ def test_no_retry_after_the_first_byte():
         dropping = StandInWorker("partial")
         good = StandInWorker(waiting=6)
         async with workers(dropping, good) as urls, router(urls) as (r, url):
-            await asyncio.sleep(0.3)
+            await until(lambda: scraped(r, urls[0]) and scraped(r, urls[1], waiting=6), "the scrapes")
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=BODY) as resp:
                 assert resp.status == 200
                 got = b""
@@ -285,8 +308,8 @@ def test_the_queue_holds_a_request_until_an_endpoint_becomes_ready():
         source = ManualSource()
         async with workers(w) as urls, router(source=source) as (r, url), aiohttp.ClientSession() as s:
             task = asyncio.create_task(s.post(url + "/v1/completions", json=BODY))
-            await asyncio.sleep(0.3)
-            assert len(r.flow) == 1 and not task.done()
+            await until(lambda: len(r.flow) == 1, "the request to be queued")
+            assert not task.done()
             page = await (await s.get(url + "/metrics")).text()
             assert 'kvscale_router_queued_requests{model="tiny"} 1.0' in page
             source.publish(urls)  # the first worker is ready
@@ -301,11 +324,11 @@ def test_an_endpoint_at_its_limit_holds_requests_until_its_queue_drains():
     async def main():
         w = StandInWorker(waiting=4)
         async with workers(w) as urls, router(urls, picker=PickerConfig(max_waiting=4)) as (r, url):
-            await asyncio.sleep(0.3)
+            await until(lambda: scraped(r, urls[0], waiting=4), "the scrape of the full worker")
             async with aiohttp.ClientSession() as s:
                 task = asyncio.create_task(s.post(url + "/v1/completions", json=BODY))
-                await asyncio.sleep(0.3)
-                assert len(r.flow) == 1 and w.received == []
+                await until(lambda: len(r.flow) == 1, "the request to be queued")
+                assert w.received == []
                 w.waiting = 0  # the next scrape sees room
                 resp = await asyncio.wait_for(task, 5)
                 assert resp.status == 200
@@ -318,7 +341,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_timeout_503():
         async with router(source=ManualSource(), max_queued=1, queue_timeout_s=1.0) as (r, url):
             async with aiohttp.ClientSession() as s:
                 first = asyncio.create_task(s.post(url + "/v1/completions", json=BODY))
-                await asyncio.sleep(0.2)
+                await until(lambda: len(r.flow) == 1, "the first request to be queued")
                 async with s.post(url + "/v1/completions", json=BODY) as resp:
                     assert resp.status == 429
                     assert resp.headers["Retry-After"] == "1"
@@ -346,8 +369,11 @@ def test_a_client_that_disconnects_leaves_the_queue():
                 await asyncio.sleep(0.02)
             assert len(r.flow) == 0
             source.publish(urls)
-            await asyncio.sleep(0.2)
-            assert w.received == [] and sum(r.state.in_flight.values()) == 0  # nothing was sent for it
+            # A request after it is served: had the one that left still been queued, it would
+            # have gone first (the queue is FIFO per model).
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=BODY) as resp:
+                assert resp.status == 200 and await resp.read() == b"".join(SSE)
+            assert len(w.received) == 1 and sum(r.state.in_flight.values()) == 0  # nothing was sent for it
 
     run(main())
 
@@ -434,8 +460,12 @@ def test_models_health_ready_and_metrics():
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 50}], "stream": True}
             async with s.post(url + "/v1/chat/completions", json=chat) as resp:
                 assert resp.status == 200 and await resp.read() == b"".join(SSE)
-            await asyncio.sleep(0.2)
-            page = await (await s.get(url + "/metrics")).text()
+
+            async def counted() -> str | None:  # counted when the stream has ended at the router
+                page = await (await s.get(url + "/metrics")).text()
+                return page if 'kvscale_router_responses_total{code="200",model="tiny"} 1.0' in page else None
+
+            page = await until(counted, "the response to be counted")
             assert 'kvscale_router_requests_total{model="tiny"} 1.0' in page
             assert 'kvscale_router_responses_total{code="200",model="tiny"} 1.0' in page
             assert "kvscale_router_endpoints 1.0" in page

@@ -45,7 +45,9 @@ def bad_word_in(llm, reference: list[int], multi: bool) -> tuple[str, list[list[
             seqs = bad_words_token_ids(tok, [word])
             if any(contains(reference, s) for s in seqs) and all((len(s) > 1) == multi for s in seqs):
                 return word, seqs
-    pytest.skip("no such word in the reference output")
+    # The reference is greedy on a fixed model: a miss means the model or its tokenizer changed.
+    kind = "multi" if multi else "single"
+    pytest.fail(f"no {kind}-token word in the reference output: pick another PROMPT")
 
 
 def test_bad_word_completions_is_vllms_rule():

@@ -5,6 +5,7 @@ no model (a counting stand-in backend)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -352,3 +353,15 @@ def test_a_failed_compile_is_not_cached() -> None:
         assert not manager.is_cached(params)
     finally:
         manager.shutdown()
+
+
+def test_compiles_run_at_a_lower_priority_than_the_loop_and_the_engine() -> None:
+    # The loop and the engine thread keep their priority; a burst of compiles takes what they leave.
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool = CompilePool(workers=1, nice=7)
+    try:
+        assert pool.submit(niceness).result(timeout=5) == min(19, niceness() + 7)  # 19: the lowest
+    finally:
+        pool.shutdown()

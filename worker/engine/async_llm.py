@@ -69,6 +69,9 @@ class AsyncLLM:
         self.args = args
         self.metrics = metrics or EngineMetrics(model_name)
         self.engine: LLMEngine | None = None
+        # Set by the engine thread once the engine and its warm-up are done (`engine` is set before
+        # the grammar tables are built): until then the server says "loading".
+        self._loaded = False
         self.dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -125,6 +128,7 @@ class AsyncLLM:
             except BaseException as e:
                 loop.call_soon_threadsafe(loaded.set_exception, e)
                 return
+            self._loaded = True
             loop.call_soon_threadsafe(loaded.set_result, None)
             try:
                 self._run()
@@ -137,7 +141,7 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        return self.engine is not None and self.dead is None
+        return self._loaded and self.dead is None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; give up after `timeout` s (a stuck thread never stops, and a
