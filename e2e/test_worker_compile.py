@@ -120,11 +120,14 @@ def ready(pod: client.V1Pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
 
-def watch_start(core, ns: str, selector: str, known: set[str], timeout: float) -> dict:
+def watch_start(core, ns: str, selector: str, known: set[str], timeout: float, at_ready_do=None) -> dict:
     """A new pod's start, each step seen by polling (0.2 s) on this clock: created (first listed),
-    Ready, and compiled steps (its /metrics: kvscale_forward_compiled 1). Seconds from created."""
+    Ready, and compiled steps (its /metrics: kvscale_forward_compiled 1). Seconds from created.
+    `at_ready_do(pod)` runs once, right after the first scrape after Ready (a request served on
+    whichever forward the pod has then); its result is `answer_at_ready`."""
     deadline = time.monotonic() + timeout
     pod, created, ready_at, compiled_at, at_ready = None, None, None, None, None
+    answer_at_ready = None
     while compiled_at is None:
         assert time.monotonic() < deadline, f"no compiled pod within {timeout} s"
         pods = [p for p in core.list_namespaced_pod(ns, label_selector=selector).items]
@@ -137,7 +140,10 @@ def watch_start(core, ns: str, selector: str, known: set[str], timeout: float) -
             if ready_at is not None:
                 m = metrics_of(pod.status.pod_ip)
                 if m is not None:
-                    at_ready = at_ready or m  # the first scrape after Ready
+                    if at_ready is None:  # the first scrape after Ready
+                        at_ready = m
+                        if at_ready_do is not None:
+                            answer_at_ready = at_ready_do(pod)
                     if value(m, "kvscale_forward_compiled") == 1.0:
                         compiled_at = time.monotonic()
         time.sleep(0.2)
@@ -146,6 +152,7 @@ def watch_start(core, ns: str, selector: str, known: set[str], timeout: float) -
     return {
         "pod": pod,
         "at_ready": at_ready,
+        "answer_at_ready": answer_at_ready,
         "ready_s": round(ready_at - created, 2),
         "compiled_s": round(compiled_at - created, 2),
         # The API server's whole-second timestamps, for a cross-check.
@@ -196,11 +203,22 @@ def _one_run(cluster, core, ns: str, name: str, host_dir: Path, expected: str) -
     apply(cluster, doc)
     try:
         # The cold pod: Ready on the eager forward, then the build behind and the switch.
-        cold = watch_start(core, ns, selector, set(), timeout=420)
+        # A request at Ready, served eagerly; another once compiled: the same tokens.
+        cold = watch_start(
+            core,
+            ns,
+            selector,
+            set(),
+            timeout=420,
+            at_ready_do=lambda p: complete(f"{p.status.pod_ip}:8000", name),
+        )
     except AssertionError as e:
         raise AssertionError(f"{e}\n{explain(cluster, name, ns)}") from None
     pod = cold["pod"]
+    print(f"\ncold pod {name}: {json.dumps({k: v for k, v in cold.items() if k.endswith('_s')})}")
     assert value(cold["at_ready"], "kvscale_forward_compiled") == 0.0  # Ready before compiled
+    eager = cold["answer_at_ready"]
+    assert eager["choices"][0]["text"] == expected and eager["usage"]["completion_tokens"] == 8
     address = f"{pod.status.pod_ip}:8000"
     answer = complete(address, name)
     assert answer["choices"][0]["text"] == expected and answer["usage"]["completion_tokens"] == 8
