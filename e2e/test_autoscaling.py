@@ -202,14 +202,31 @@ def test_scales_on_kv_usage_and_removes_the_least_loaded_worker_without_failing_
         return apps.read_namespaced_deployment(name, ns).spec.replicas == 1
 
     wait_for(scaled_down, timeout=300, interval=0.5, what="the scale-down")
-    wait_for(
-        lambda: (
-            [p.metadata.name for p in core.list_namespaced_pod(ns, label_selector=WORKERS).items] == [second]
-        ),  # the workers (the router's pod lives on beside them)
-        timeout=90,
-        interval=0.5,
-        what="the least-loaded worker to drain and go",
-    )
+    try:
+        wait_for(
+            lambda: (
+                [p.metadata.name for p in core.list_namespaced_pod(ns, label_selector=WORKERS).items]
+                == [second]
+            ),  # the workers (the router's pod lives on beside them)
+            timeout=90,
+            interval=0.5,
+            what="the least-loaded worker to drain and go",
+        )
+    except AssertionError as e:  # which pod went, or which one is still draining, and why
+        pods = [
+            (
+                p.metadata.name,
+                p.status.phase,
+                p.metadata.deletion_timestamp,
+                (p.metadata.annotations or {}).get(DELETION_COST),
+            )
+            for p in core.list_namespaced_pod(ns, label_selector=WORKERS).items
+        ]
+        decisions = get_cr(operator, name, ns)["status"]["autoscaling"]["lastDecisions"]
+        raise AssertionError(
+            f"{e}: first={first} second={second} marked={marked} pods={pods} decisions={decisions}\n"
+            + operator.kubectl("get", "events", "-n", ns).stdout[-4000:]
+        ) from None
     load.stop(heavy)
     load.stop(light_old)
     # The remaining worker keeps serving, directly and through the Service, after the other went.

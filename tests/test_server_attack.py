@@ -30,10 +30,10 @@ from test_server_fuzz import UNEXPECTED, check_error, send
 pytestmark = pytest.mark.slow
 
 REQUEST_BUDGET_S = 30.0  # a generated program past its compile deadline must still answer by then
-# Issue 26's goal is p100 < 100 ms; on 2 cores bursts of compiles still give single probes of
-# 0.1-0.5 s (docs/server.md, "Hostile clients, measured"; the goal is open), and CI saw one of
-# 1.5 s with no request in flight, so CI holds p100 to a bound that a stall of the loop (the
-# 11 s schema) would break.
+# Issue 26's goal is p100 < 100 ms, measured on a quiet machine (docs/server.md, "Hostile clients,
+# measured": each run prints its probes' p50/p99/p100). A shared CI machine's scheduler adds its
+# own pauses (one run saw 1.5 s with no request in flight), so CI holds p100 to a bound that a
+# stall of the loop (the 11 s schema) would break, and no timed goal.
 HEALTH_P100_BOUND_S = 3.0
 EXAMPLES = int(os.environ.get("KVSCALE_ATTACK_EXAMPLES", "25"))
 RANDOM = os.environ.get("KVSCALE_ATTACK_SEED") == "random"
@@ -93,7 +93,11 @@ def attacked(target_model, tmp_path_factory):
         assert server.stop() == 0, log
     assert not prober.failures, prober.failures[:5]
     ordered = sorted(prober.latencies)
-    p99, worst = ordered[int(len(ordered) * 0.99)], ordered[-1]
+    p50, p99, worst = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.99)], ordered[-1]
+    print(
+        f"attack: {len(ordered)} /health probes, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+        f"p100 {worst * 1000:.1f} ms; examples {EXAMPLES}, seed {'random' if RANDOM else 'fixed'}"
+    )
     assert worst < HEALTH_P100_BOUND_S, (p99, worst, prober.slow[:5])
     assert status == 200
     usage = [
