@@ -67,7 +67,9 @@ def test_every_e2e_test_runs_on_one_xdist_worker(tmp_path):
     shutil.copy(REPO / "conftest.py", tmp_path / "conftest.py")
     record = (
         "import os, pathlib\n"
-        "def test_{n}():\n    pathlib.Path('{n}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+        "def test_{n}():\n"
+        "    nice = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "    pathlib.Path('{n}').write_text(os.environ['PYTEST_XDIST_WORKER'] + f' {{nice}}')\n"
     )
     for d, names in {"e2e": ["a", "b", "c", "d"], "tests": ["e", "f", "g", "h"]}.items():
         (tmp_path / d).mkdir()
@@ -83,6 +85,11 @@ def test_every_e2e_test_runs_on_one_xdist_worker(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stdout
-    workers = {n: (tmp_path / n).read_text() for n in "abcdefgh"}
+    ran = {n: (tmp_path / n).read_text().split() for n in "abcdefgh"}
+    workers = {n: worker for n, (worker, _) in ran.items()}
     assert len({workers[n] for n in "abcd"}) == 1, workers
     assert len(set(workers.values())) == 2, workers  # the unit modules ran beside them
+    # The unit modules run niced beside the e2e tests (conftest.py's UNIT_NICE), the e2e ones not.
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert {int(ran[n][1]) for n in "abcd"} == {base}, ran
+    assert {int(ran[n][1]) for n in "efgh"} == {min(19, base + 10)}, ran
