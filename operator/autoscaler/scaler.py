@@ -223,8 +223,7 @@ class Scaler:
         wall = time.time()
         states = {p.metadata.name: pod_state(p, wall, params.startup_budget_s) for p in pods}
         sample = await self._sample(session, pods, states, target)
-        compiled = {p.name: p.compile_s for p in sample.pods}
-        target.scaler.observe(sample, [pod_timing(p, compiled.get(p.metadata.name)) for p in pods], params)
+        target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
         decision = target.scaler.decide(current, params)
         metrics.decided(ns, name, current, decision.replicas)
         zero = None
@@ -270,7 +269,6 @@ class Scaler:
                     waiting=m.get("waiting"),
                     running=m.get("running"),
                     arrivals=m.get("arrivals"),
-                    compile_s=m.get("compile_s"),
                 )
             )
         routers = await self._own(self.pods.routers_of(ns, name), target, router_name(name))
