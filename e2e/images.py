@@ -151,6 +151,9 @@ def import_into_containerd(rt: Runtimes, images: list[str], log=print) -> float:
     if wanted:
         save = subprocess.Popen([DOCKER, "save", *wanted], env=rt.env, stdout=subprocess.PIPE)
         result = rt.ctr("images", "import", "-", stdin=save.stdout)
+        # Our copy of the pipe's read end: closed, so that docker save gets EPIPE and ends when ctr
+        # stopped reading early (a full disk), instead of blocking on the pipe forever.
+        save.stdout.close()
         save.wait()
         if result.returncode != 0 or save.returncode != 0:
             raise RuntimeError(f"ctr images import: {result.stderr}")
