@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -28,6 +27,7 @@ from images import WORKER_IMAGE
 from kubernetes import client
 from model_fixtures import SHARED_MODELS, TARGET
 from realnode import NODE_IP, POD_CIDR, SERVICE_CIDR
+from service_route import wait_routed
 from test_controlplane import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,21 +264,10 @@ def complete(address: str, served_name: str) -> dict:
 
 
 def complete_when_routed(address: str, served_name: str, timeout: float = 60.0) -> dict:
-    """complete() through a Service whose pods just turned Ready: kube-proxy programs the Service's
-    rules after the EndpointSlice lists them (one sync, ~1 s, longer on a busy node), and until then
-    the ClusterIP refuses connections. Only a refused or reset connection is retried."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return complete(address, served_name)
-        except urllib.error.URLError as e:
-            reason = getattr(e, "reason", e)
-            if not isinstance(reason, ConnectionError) or time.monotonic() > deadline:
-                raise
-        except ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
+    """complete() through a Service whose pods just turned Ready, once kube-proxy routes it."""
+    host, port = address.rsplit(":", 1)
+    wait_routed(host.strip("[]"), int(port), timeout)
+    return complete(address, served_name)
 
 
 @pytest.mark.parametrize(

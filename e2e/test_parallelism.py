@@ -27,6 +27,7 @@ import lws
 import pytest
 from kubernetes import client
 from model_fixtures import TARGET
+from service_route import wait_routed
 from test_controlplane import wait_for
 from test_operator import (  # noqa: F401 (fixtures)
     apply,
@@ -234,6 +235,7 @@ def test_the_lws_controller_brings_a_groups_pods_up(operator, namespace, tmp_pat
         # A completion through the Service's ClusterIP, ranks on two pods over gloo: the text of
         # one process (TP = 1) on the same model, greedy.
         body = {"model": name, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0}
+        wait_routed(ours.spec.cluster_ip, 8000)
         request = urllib.request.Request(
             f"http://{ours.spec.cluster_ip}:8000/v1/completions",
             json.dumps(body).encode(),

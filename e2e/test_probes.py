@@ -82,25 +82,31 @@ def running(address: str) -> float:
 
 
 def keep_busy(address: str, model: str, n: int = 4) -> list[str]:
-    """n long completions in the background, so the engine is mid-work when its thread is frozen;
-    returns the list their errors land in (they die with the container: those are expected)."""
+    """n clients sending long completions back to back, so the engine owes progress wherever its
+    thread is frozen: mid-step, or idle between two requests (then the next add is what it owes;
+    a cold CI run once froze it idle after one round of requests had finished, and /health rightly
+    stayed 200). Each client stops at its first error (they die with the container: expected);
+    returns the list those errors land in."""
     errors: list[str] = []
     # 900 tokens: the example's maxModelLen is 1024; at 500m of CPU that is many seconds of work.
     body = json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 900, "ignore_eos": True})
 
-    def one() -> None:
-        request = urllib.request.Request(
-            f"http://{address}/v1/completions", body.encode(), {"Content-Type": "application/json"}
-        )
-        try:
-            urllib.request.urlopen(request, timeout=300).read()
-        except urllib.error.HTTPError as e:
-            errors.append(f"{e.code}: {e.read()[:300]!r}")
-        except OSError as e:
-            errors.append(repr(e))
+    def send_back_to_back() -> None:
+        while True:
+            request = urllib.request.Request(
+                f"http://{address}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+            )
+            try:
+                urllib.request.urlopen(request, timeout=300).read()
+            except urllib.error.HTTPError as e:
+                errors.append(f"{e.code}: {e.read()[:300]!r}")
+                return
+            except OSError as e:
+                errors.append(repr(e))
+                return
 
     for _ in range(n):
-        threading.Thread(target=one, daemon=True).start()
+        threading.Thread(target=send_back_to_back, daemon=True).start()
     return errors
 
 

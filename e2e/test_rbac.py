@@ -335,27 +335,6 @@ def test_the_admission_policy_admits_the_operators_children_and_refuses_an_escal
     the host's network, or bind its rights elsewhere, is refused."""
     operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests" / "admission"))
     try:
-        wait_for(
-            lambda: (
-                operator.kubectl(
-                    "get", "validatingadmissionpolicybinding", "kvscale-operator-writes", check=False
-                ).returncode
-                == 0
-            ),
-            timeout=30,
-            what="the binding",
-        )
-        apply(operator, example("vap", namespace, replicas=0))
-        uid = get_cr(operator, "vap", namespace)["metadata"]["uid"]
-
-        def applied():
-            cr = get_cr(operator, "vap", namespace)
-            status = cr.get("status") or {}
-            return cr if status.get("observedGeneration") == cr["metadata"]["generation"] else None
-
-        cr = wait_for(applied, timeout=90, interval=0.5, what="every child applied under the policy")
-        assert condition(cr, "Degraded").get("status") == "False", cr["status"]
-        assert owned_by(operator, "vap", namespace, uid)
         hostile = {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -383,9 +362,41 @@ def test_the_admission_policy_admits_the_operators_children_and_refuses_an_escal
             },
         }
         as_operator = ["--as", OPERATOR_USER]
-        out = operator.kubectl(
-            "apply", "--server-side", *as_operator, "-f", "-", input=json.dumps(hostile), check=False
+
+        def write_hostile(*dry_run: str):
+            return operator.kubectl(
+                "apply",
+                "--server-side",
+                *as_operator,
+                *dry_run,
+                "-f",
+                "-",
+                input=json.dumps(hostile),
+                check=False,
+            )
+
+        # The API server loads a new policy and binding from its informers, moments after they
+        # exist (CI's faster machine wrote the hostile Deployment before): a server-side dry run,
+        # which runs admission, says when the policy is in force, and the children below are then
+        # admitted under it.
+        wait_for(
+            lambda: "no host network" in write_hostile("--dry-run=server").stderr,
+            timeout=30,
+            interval=0.5,
+            what="the admission policy in force",
         )
+        apply(operator, example("vap", namespace, replicas=0))
+        uid = get_cr(operator, "vap", namespace)["metadata"]["uid"]
+
+        def applied():
+            cr = get_cr(operator, "vap", namespace)
+            status = cr.get("status") or {}
+            return cr if status.get("observedGeneration") == cr["metadata"]["generation"] else None
+
+        cr = wait_for(applied, timeout=90, interval=0.5, what="every child applied under the policy")
+        assert condition(cr, "Degraded").get("status") == "False", cr["status"]
+        assert owned_by(operator, "vap", namespace, uid)
+        out = write_hostile()
         assert out.returncode != 0 and "no host network" in out.stderr, out.stderr
         binding = {
             "apiVersion": "rbac.authorization.k8s.io/v1",

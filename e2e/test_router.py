@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from audit import audit_lines
 from kubernetes import client
+from service_route import wait_routed
 from test_controlplane import wait_for
 from test_operator import (  # noqa: F401 (fixtures)
     OPERATOR_USER,
@@ -56,7 +57,7 @@ def router_ip(cluster, name: str, ns: str) -> str:
 
 
 def wait_router(cluster, name: str, ns: str, timeout: float = 180) -> str:
-    """The router's ClusterIP once its Deployment has a ready pod."""
+    """The router's ClusterIP once its Deployment has a ready pod and kube-proxy routes it."""
     apps = client.AppsV1Api(cluster.api)
 
     def ready():
@@ -67,7 +68,9 @@ def wait_router(cluster, name: str, ns: str, timeout: float = 180) -> str:
         return (dep.status.ready_replicas or 0) >= 1
 
     wait_for(ready, timeout=timeout, interval=0.5, what="the router to be ready")
-    return router_ip(cluster, name, ns)
+    ip = router_ip(cluster, name, ns)
+    wait_routed(ip, 8000)
+    return ip
 
 
 def complete(ip: str, model: str, stream: bool = False, timeout: float = 600) -> tuple[int, bytes]:
@@ -290,6 +293,7 @@ def test_two_routers_one_evicted_at_a_time_while_requests_keep_flowing(
     )
     assert pdb.spec.max_unavailable == 1
     ip = router_ip(operator, name, ns)
+    wait_routed(ip, 8000)
     load = ClientLoad(ip, name, "requests through the routers")
     results = load.results
     first, second = (p.metadata.name for p in router_pods(operator, name, ns))

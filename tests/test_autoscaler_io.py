@@ -18,6 +18,7 @@ from kvscale.operator.api.groupversion import KIND
 from kvscale.operator.api.labels import LABEL_NAME, LABEL_OWNER, WORKER
 from kvscale.operator.autoscaler import scaler
 from kvscale.operator.autoscaler.pod_state import pod_state
+from kvscale.operator.autoscaler.policy import Decision, PodLoad, least_loaded
 from kvscale.operator.autoscaler.scaler import Scaler, Target
 from kvscale.operator.kube.pods import Ownership, PodCache, feed
 
@@ -335,6 +336,33 @@ def test_a_tick_reads_the_pod_cache_and_lists_nothing(tick):
     assert tick.target.scaler.last_lookahead_s == 14.0
     assert counter(metrics.DECISIONS, "ns", "tiny", "hold") == holds + 5
     assert metrics.DESIRED_REPLICAS.labels("ns", "tiny")._value.get() == 2
+
+
+def test_a_scale_down_marks_its_victims_first_and_writes_the_count_once_they_are_seen(tick):
+    """The ReplicaSet controller picks its victims from its own pod cache: the count waits for a
+    tick whose pods already carry the marks, so the marked (least-loaded) pod is the one removed."""
+    tick.scaler.access = SimpleNamespace(allowed=lambda api, ns: True)
+    down = Decision(1, "scale down 2 -> 1", None, ("tiny-1",))
+    pods = [pod("tiny-1"), pod("tiny-2")]
+    scale = lambda pods: asyncio.run(tick.scaler._scale(tick.target, pods, 2, down))  # noqa: E731
+    assert scale(pods) is False  # marked, not scaled
+    assert CountingCore.calls == ["patch_namespaced_pod"] and Apps.replicas == 2
+    pods[0].metadata.annotations = {scaler.DELETION_COST: scaler.VICTIM_COST}  # our watch saw it
+    assert scale(pods) is True
+    assert CountingCore.calls == ["patch_namespaced_pod"] and Apps.replicas == 1
+    assert "removing tiny-1" in tick.target.decisions[-1]["reason"]
+    # Scaling to zero removes every pod: no marks, no tick of delay.
+    CountingCore.calls, Apps.replicas = [], 1
+    zero = Decision(0, "scale to zero 1 -> 0", None, ("tiny-2",))
+    assert asyncio.run(tick.scaler._scale(tick.target, [pod("tiny-2")], 1, zero)) is True
+    assert CountingCore.calls == [] and Apps.replicas == 0
+
+
+def test_least_loaded_keeps_the_marked_pods_the_victims():
+    loads = [PodLoad("a", "ready", running=3.0), PodLoad("b", "ready", running=0.0, marked=False)]
+    assert least_loaded(loads, 1) == ("b",)
+    loads[0] = PodLoad("a", "ready", running=3.0, marked=True)  # named a tick ago, busier since
+    assert least_loaded(loads, 1) == ("a",)
 
 
 def test_a_tick_waits_for_the_caches_first_list(tick):

@@ -87,6 +87,8 @@ class PodLoad:
     # Requests received so far (finished + refused for a full queue + in flight): a counter whose
     # rate is the demand on the worker, whether it keeps up or not. None: not exported.
     arrivals: float | None = None
+    # Carries the victim's pod-deletion-cost: a scale-down named it a tick ago (scaler._scale).
+    marked: bool = False
 
 
 @dataclass(frozen=True)
@@ -390,10 +392,15 @@ def least_loaded(pods: Sequence[PodLoad], count: int) -> tuple[str, ...]:
     """The `count` pods to remove: first those that are not coming (STUCK: the ReplicaSet
     controller removes unscheduled and not-ready pods first anyway), then the ready workers with
     the least work in flight: fewest requests (running and waiting: what its drain must finish),
-    then least KV usage."""
+    then least KV usage. Pods already marked come first among the ready: a scale-down marks its
+    victims one tick and writes the count the next (scaler._scale), so a ranking that shifted in
+    between must not name new victims and put the write off again."""
     stuck = sorted(p.name for p in pods if p.state in STUCK)
     ready = [p for p in pods if p.state == "ready"]
-    ranked = sorted(ready, key=lambda p: ((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0, p.name))
+    ranked = sorted(
+        ready,
+        key=lambda p: (not p.marked, (p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0, p.name),
+    )
     return tuple([*stuck, *(p.name for p in ranked)][:count])
 
 

@@ -269,6 +269,7 @@ class Scaler:
                     waiting=m.get("waiting"),
                     running=m.get("running"),
                     arrivals=m.get("arrivals"),
+                    marked=(p.metadata.annotations or {}).get(DELETION_COST) == VICTIM_COST,
                 )
             )
         routers = await self._own(self.pods.routers_of(ns, name), target, router_name(name))
@@ -318,10 +319,12 @@ class Scaler:
             await asyncio.to_thread(
                 leaderworkerset.write_scale, api, name, ns, decision.replicas, AUTOSCALER_MANAGER
             )
-        elif decision.replicas < current and await asyncio.to_thread(self.access.allowed, api, ns):
-            # (Marking is granted per namespace: access.py. Not granted: the ReplicaSet picks.)
-            # The ReplicaSet controller removes the pods of lowest deletion cost first: mark exactly
-            # the victims, and clear the mark a previous, unfinished decision left on any other pod.
+        elif 0 < decision.replicas < current and await asyncio.to_thread(self.access.allowed, api, ns):
+            # (Marking is granted per namespace: access.py. Not granted: the ReplicaSet picks. At
+            # zero every pod goes: nothing to pick.) The ReplicaSet controller removes the pods of
+            # lowest deletion cost first: mark exactly the victims, and clear the mark a previous,
+            # unfinished decision left on any other pod.
+            newly_marked = []
             for p in pods:
                 marked = (p.metadata.annotations or {}).get(DELETION_COST) == VICTIM_COST
                 victim = p.metadata.name in decision.victims
@@ -329,6 +332,21 @@ class Scaler:
                     cost = VICTIM_COST if victim else None
                     patch = {"metadata": {"annotations": {DELETION_COST: cost}}}
                     await asyncio.to_thread(core.patch_namespaced_pod, p.metadata.name, ns, patch)
+                    if victim:
+                        newly_marked.append(p.metadata.name)
+            if newly_marked:
+                # The ReplicaSet controller picks from its own pod cache, fed by another watch
+                # than the one the count's change reaches it by: written together, a mark can
+                # arrive after the pick (suspected when, in a cold CI run here, the least-loaded
+                # worker was not gone 90 s after the scale-down). So the count waits for a tick
+                # whose pods, from our watch, carry the marks; least_loaded keeps them the victims.
+                logger.info(
+                    "autoscaler: %s/%s: marked %s for removal; scaling down once the marks are seen",
+                    ns,
+                    name,
+                    ", ".join(newly_marked),
+                )
+                return False
         if zero is not None and not await zero[0]():
             logger.info(
                 "autoscaler: %s/%s: a request arrived since the decision: not scaled to zero", ns, name

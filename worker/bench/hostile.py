@@ -78,40 +78,50 @@ def _probe(base: str, pid: int, period: float, stop, out) -> None:
     import psutil
 
     proc = psutil.Process(pid)
+    sent: list[float] = []
     health: list[float] = []
     rss: list[int] = []
-    failures = 0
+    failures: list[str] = []
     while not stop.is_set():
+        sent.append(time.monotonic())
         t0 = time.perf_counter()
         try:
             with urllib.request.urlopen(base + "/health", timeout=10) as r:
                 r.read()
-                failures += r.status != 200
-        except OSError:  # a refused or timed-out probe is a failure, counted
-            failures += 1
+                if r.status != 200:
+                    failures.append(f"status {r.status}")
+        except OSError as e:  # a refused or timed-out probe is a failure, counted
+            failures.append(repr(e))
         health.append(time.perf_counter() - t0)
         rss.append(proc.memory_info().rss)
         stop.wait(period)
-    out.put((health, rss, failures))
+    out.put((sent, health, rss, failures))
 
 
 class Probe:
-    """/health every `period` s and the server's RSS, from a process of its own, until stopped."""
+    """/health every `period` s and the server's RSS, from a process of its own, until stopped.
+    `sent` holds each probe's time.monotonic() (one clock for every process on Linux), so a slow
+    probe can be matched with what the client was sending then."""
 
     def __init__(self, base: str, pid: int, period: float = 0.02) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._stop, self._out = ctx.Event(), ctx.Queue()
         self._proc = ctx.Process(target=_probe, args=(base, pid, period, self._stop, self._out), daemon=True)
+        self.sent: list[float] = []
         self.health: list[float] = []
         self.rss: list[int] = []
-        self.health_failures = 0
+        self.failures: list[str] = []
+
+    @property
+    def health_failures(self) -> int:
+        return len(self.failures)
 
     def start(self) -> None:
         self._proc.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self.health, self.rss, self.health_failures = self._out.get(timeout=60)
+        self.sent, self.health, self.rss, self.failures = self._out.get(timeout=60)
         self._proc.join(10)
 
 
