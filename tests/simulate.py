@@ -71,7 +71,15 @@ class WorkerModel:
     kv_blocks: int = 1024
     block_size: int = 16
     max_queued: int = 256  # kvscale-worker --max-queued-requests: beyond it, 429
-    load_time_s: float = 30.0
+    load_time_s: float = 30.0  # scale-up to Ready (serving on the eager forward)
+    # Ready to compiled steps (issue 29: the compiled CPU forward built behind the eager one; 0: a
+    # new worker serves compiled from Ready, as with a compile cache or a GPU). Until then its
+    # steps run at these shares of the compiled speed: docs/benchmarks.md, "Forward steps,
+    # compiled against eager" (eager/compiled 2.43 for decodes, median of the decode cases; 1.30
+    # for a prefill chunk).
+    compile_time_s: float = 0.0
+    eager_decode_share: float = 1 / 2.43
+    eager_prefill_share: float = 1 / 1.30
     drain_timeout_s: float = 30.0
 
     def decode_rate(self, batch: int) -> float:
@@ -107,9 +115,17 @@ class _Seq:
 
 
 class Worker:
-    def __init__(self, name: str, model: WorkerModel, ready_at: float, started_at: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: WorkerModel,
+        ready_at: float,
+        started_at: float,
+        compiled_at: float | None = None,
+    ) -> None:
         self.name, self.model = name, model
         self.started_at, self.ready_at = started_at, ready_at
+        self.compiled_at = ready_at + model.compile_time_s if compiled_at is None else compiled_at
         self.draining_since: float | None = None
         self.gone_at: float | None = None
         self.waiting: deque[_Seq] = deque()
@@ -121,6 +137,11 @@ class Worker:
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at and self.draining_since is None and self.gone_at is None
+
+    def compile_s(self, now: float) -> float | None:
+        """kvscale_forward_compile_seconds once the worker runs compiled (None before): its build
+        behind the eager forward, from Ready on."""
+        return self.compiled_at - self.ready_at if now >= self.compiled_at else None
 
     def alive(self) -> bool:
         return self.gone_at is None
@@ -169,10 +190,14 @@ class Worker:
         decoding = [s for s in self.running if s.prefill_left <= 0]
         prefilling = [s for s in self.running if s.prefill_left > 0]
         d = len(decoding)
+        # Eager steps until the compiled forward is in (a fresh worker, issue 29): slower.
+        eager = now < self.compiled_at
+        decode_share = m.eager_decode_share if eager else 1.0
+        prefill_share = m.eager_prefill_share if eager else 1.0
         # One engine step: every decode advances one token, prefill fills the rest of the budget.
-        t_decode = d / m.decode_rate(d) if d else 0.0
+        t_decode = d / (m.decode_rate(d) * decode_share) if d else 0.0
         chunk = min(sum(s.prefill_left for s in prefilling), max(0, m.max_num_batched_tokens - d))
-        t_prefill = chunk / m.prefill_tps
+        t_prefill = chunk / (m.prefill_tps * prefill_share)
         step_time = t_decode + t_prefill
         steps = dt / step_time
         budget = chunk * steps  # prefill tokens this tick, FIFO
@@ -302,7 +327,12 @@ class KvscalePolicy(Policy):
                 pods.append(
                     PodLoad(w.name, "ready", w.kv_usage(), len(w.waiting), len(w.running), w.arrivals())
                 )
-            timings.append(PodTiming(w.name, w.started_at, w.ready_at if w.ready(now) else None))
+            ready = w.ready(now)
+            timings.append(
+                PodTiming(
+                    w.name, w.started_at, w.ready_at if ready else None, w.compile_s(now) if ready else None
+                )
+            )
         routers = (self.router_view,) if self.router_view is not None else ()
         self.scaler.observe(Sample(now, tuple(pods), routers), timings, self.params)
         d = self.scaler.decide(current, self.params)
@@ -432,8 +462,9 @@ def run(
         return Worker(f"w{counter:03d}", model, now + (model.load_time_s if load else 0.0), now)
 
     workers = [new_worker(0.0, load=False) for _ in range(initial)]
-    for w in workers:  # already running at the start, having loaded like any other
-        w.started_at = -model.load_time_s
+    for w in workers:  # already running (and compiled) at the start, having started like any other
+        w.started_at = -model.load_time_s - model.compile_time_s
+        w.ready_at, w.compiled_at = -model.compile_time_s, 0.0
     desired, actions, replica_seconds = initial, 0, 0.0
     next_decision, i, t, timeline = 0.0, 0, 0.0, []
     held: deque[Request] = deque()  # the router's queue
@@ -591,7 +622,9 @@ def simulate(
         assert static is not None
         if "oracle" in policies:
             peak = max(rate(t) for t in range(int(trace.duration_s)))
-            oracle = OraclePolicy(rate, peak / static.max_replicas, model.load_time_s, 2, max_replicas)
+            # Its lead: until a new worker's capacity is all there (Ready, then the compiled steps).
+            lead = model.load_time_s + model.compile_time_s
+            oracle = OraclePolicy(rate, peak / static.max_replicas, lead, 2, max_replicas)
             results.append(run(oracle, requests, rate, model, trace.duration_s, slo_s))
         if "static-peak" in policies:
             results.append(static)
@@ -671,7 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=3600.0, help="seconds of trace")
     parser.add_argument("--slo", type=float, default=1.0, help="TTFT bound in seconds")
     parser.add_argument("--max-replicas", type=int, default=16)
-    parser.add_argument("--load-time", type=float, default=WorkerModel.load_time_s, help="model load seconds")
+    parser.add_argument(
+        "--load-time", type=float, default=WorkerModel.load_time_s, help="seconds from scale-up to Ready"
+    )
+    parser.add_argument(
+        "--compile-time",
+        type=float,
+        default=WorkerModel.compile_time_s,
+        help="seconds from Ready to compiled steps (eager steps until then; 0: compiled from Ready)",
+    )
     parser.add_argument("--kv-blocks", type=int, default=WorkerModel.kv_blocks)
     parser.add_argument(
         "--policies", default="kvscale,kvscale-round-robin,request-count,hpa-utilisation,oracle,static-peak"
@@ -687,7 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", action="store_true", help="keep the timelines in the JSON")
     parser.add_argument("--plot", metavar="PNG", help="draw workers and load over time (needs matplotlib)")
     args = parser.parse_args(argv)
-    model = WorkerModel(load_time_s=args.load_time, kv_blocks=args.kv_blocks)
+    model = WorkerModel(
+        load_time_s=args.load_time, compile_time_s=args.compile_time, kv_blocks=args.kv_blocks
+    )
     report = simulate(
         seed=args.seed,
         duration=args.duration,

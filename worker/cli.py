@@ -3,7 +3,7 @@
     kvscale-worker generate [--model PATH] [--prompt TEXT ...] [engine flags]
     kvscale-worker serve [--model PATH] [--host H --port P] [--served-model-name N] [--api-key K]
                          [--max-queued-requests N] [--drain-timeout S] [engine flags]
-    kvscale-worker download hf://ORG/NAME[@REVISION] --dest DIR [--termination-log PATH]
+    kvscale-worker download hf://ORG/NAME[@REVISION] --dest DIR [--termination-log PATH] [--check]
     kvscale-worker compile [--model PATH] [--dtype D] [--block-size N] [--compile-cache-dir DIR]
 
 Without --model it builds (once, in ~/.cache/kvscale) a tiny random Llama with a locally trained
@@ -145,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_download(args: argparse.Namespace) -> int:
     from kvscale.worker.model.download import main as download
 
-    return download(args.uri, args.dest, args.termination_log)
+    return download(args.uri, args.dest, args.termination_log, check_only=args.check)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--termination-log",
         default="/dev/termination-log",
         help="where a failure's one-line reason goes (the kubelet's terminationMessagePath)",
+    )
+    dl.add_argument(
+        "--check",
+        action="store_true",
+        help="only check, offline and read-only, that a complete snapshot is in --dest (a read-only "
+        "model cache, filled once beforehand)",
     )
     dl.set_defaults(func=cmd_download)
     return parser

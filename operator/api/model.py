@@ -81,6 +81,14 @@ class SecretKeyRef(CamelModel):
 class ModelSpec(CamelModel):
     """Which model the workers load and the name clients ask for."""
 
+    rules = (
+        Rule(
+            "!has(self.cacheReadOnly) || !self.cacheReadOnly || has(self.cacheClaim)",
+            "cacheReadOnly needs cacheClaim: the claim the snapshot was downloaded into",
+            lambda m: not m.cache_read_only or m.cache_claim is not None,
+        ),
+    )
+
     uri: Uri = Field(
         description="Where the model folder is: an absolute path inside the worker container "
         "(`/models/llama`, also `file:///models/llama`), or `pvc://CLAIM/SUBPATH` to mount a "
@@ -108,6 +116,14 @@ class ModelSpec(CamelModel):
         description="For hf:// models: a PersistentVolumeClaim to download into, shared by the "
         "workers (ReadWriteMany across nodes): a snapshot already complete there is not fetched "
         "again. Default: an emptyDir per pod, sized by cacheSize.",
+    )
+    cache_read_only: bool = Field(
+        default=False,
+        description="For hf:// models with cacheClaim: the claim holds the snapshot already, filled "
+        "once by the downloader (`kvscale-worker download`, e.g. in a Job; docs/operator.md), and "
+        "every pod mounts it read-only (a ReadOnlyMany claim shared by the replicas): the init "
+        "container only checks, without the network, that the snapshot is complete there, and says "
+        "so in the pod's status when it is not.",
     )
     cache_size: Quantity("20Gi") = Field(
         default="20Gi",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from kvscale.operator.api.autoscaling import AutoscalingSpec
+from kvscale.operator.api.compile_cache import CompileCacheSpec
 from kvscale.operator.api.model import ModelSpec, SpeculativeSpec
 from kvscale.operator.api.pod import (
     Affinity,
@@ -74,6 +75,12 @@ class InferenceDeploymentSpec(CamelModel):
     model: ModelSpec = Field(description="The model to serve.")
     speculative: SpeculativeSpec | None = Field(default=None, description="Speculative decoding (optional).")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings of each worker.")
+    compile_cache: CompileCacheSpec | None = Field(
+        default=None,
+        description="A volume the workers share for their compiled forward (optional). Default: each "
+        "pod compiles into its own /tmp, behind the eager forward, unless the image ships the model's "
+        "package.",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Compute for each worker.")
     parallelism: ParallelismSpec | None = Field(
         default=None,

@@ -74,7 +74,9 @@ class AutoscalingStatus(CamelModel):
     lookahead_seconds: float = Field(
         default=0.0,
         description="How far ahead a rising arrival rate is projected: the workers' median startup "
-        "(container start to first Ready), at most server.startupTimeoutSeconds.",
+        "(container start to first Ready), plus, where they build their compiled forward behind "
+        "the eager one, the part of the wait for compiled steps their eager capacity does not "
+        "cover; at most server.startupTimeoutSeconds.",
     )
     kv_cache_usage: float | None = Field(
         default=None, description="Mean KV-cache occupancy of the ready workers (0-1)."

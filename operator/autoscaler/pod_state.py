@@ -70,11 +70,12 @@ def pod_state(pod: client.V1Pod, now: float | None = None, startup_budget_s: flo
     return "starting"
 
 
-def pod_timing(pod: client.V1Pod) -> PodTiming:
+def pod_timing(pod: client.V1Pod, compile_s: float | None = None) -> PodTiming:
     """The startup facts of a pod's status (`autoscaling.startup_of` judges them): when the worker
     container now running started, and since when the pod is Ready. Not the pod's creation: that
     would count scheduling and image pulls, and for a pod that restarted or whose readiness
-    flapped, its whole age."""
+    flapped, its whole age. `compile_s`: from its metrics, the seconds its compiled forward took
+    once it runs it."""
     status = pod.status
     ready = next((c for c in (status and status.conditions) or [] if c.type == "Ready"), None)
     ready_since = None
@@ -83,4 +84,4 @@ def pod_timing(pod: client.V1Pod) -> PodTiming:
     worker = _worker_status(status)
     running = worker.state.running if worker is not None and worker.state is not None else None
     started = running.started_at.timestamp() if running is not None and running.started_at else None
-    return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since)
+    return PodTiming(pod.metadata.uid or pod.metadata.name, started, ready_since, compile_s)

@@ -35,7 +35,8 @@ ready ones whatever their deletion cost, so the victims named are the ones that 
 A new worker serves only after it has loaded its model, so a rising load is met where it will be
 then: the KV demand is scaled by the growth of the arrival rate (the workers' request counters),
 whose least-squares trend over the last `trend_window_s` is projected `lookahead_s` ahead (the
-startup time measured on the pods, at most the startup budget). Arrivals, unlike KV usage, do
+startup time measured on the pods, plus the part of their wait for compiled steps that their eager
+forward does not cover, at most the startup budget). Arrivals, unlike KV usage, do
 not grow when saturated workers slow down and hold their blocks longer or drain a backlog, so the
 projection does not feed on the overload it is meant to prevent. Workers without the counters
 fall back to the KV demand's own trend.
@@ -70,7 +71,11 @@ EPS = 1e-9  # float noise must not turn "exactly at target" into one more worker
 # budget (tests/test_autoscaler_runaway.py, tests/test_simulate.py). 2.5 let a flat load add
 # workers at a 600 s look-ahead, 2.0 even at 30 s (docs/autoscaling.md).
 TREND_T = 3.5
-# A first Ready comes at most one startup-probe period (5 s) and one readiness period (2 s),
+# A new CPU worker's capacity on its eager forward, as a share of its compiled one, while the
+# compiled forward is built behind (issue 29): a decode step took 2.43x as long eagerly (the median
+# of the decode cases of `bench steps`, docs/benchmarks.md, "Forward steps, compiled against eager").
+EAGER_SHARE = 1 / 2.43
+# A first Ready comes at most one startup-probe period (1 s) and one readiness period (2 s),
 # plus timestamps' whole seconds, after the startup budget; anything later is no startup.
 STARTUP_SLACK_S = 10.0
 
@@ -89,6 +94,8 @@ class PodLoad:
     arrivals: float | None = None
     # Carries the victim's pod-deletion-cost: a scale-down named it a tick ago (scaler._scale).
     marked: bool = False
+    # Seconds its compiled forward took (kvscale_forward_compile_seconds), once it runs it.
+    compile_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,10 @@ class Params:
     startup_budget_s: float = 600.0
     # With min_replicas 0: idle (no arrivals, nothing queued or running) this long -> zero.
     scale_to_zero_after_s: float = 300.0
+    # A new worker's capacity on its eager forward, as a share of its compiled one, while its
+    # compiled forward is built behind (issue 29): the look-ahead counts the rest of the wait
+    # for compiled steps (`lookahead_of`).
+    eager_share: float = EAGER_SHARE
 
     @classmethod
     def from_spec(cls, spec, startup_budget_s: float = 600.0) -> Params:
@@ -501,7 +512,8 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
 @dataclass(frozen=True)
 class PodTiming:
     """What a pod's status says about its startup, as seconds on one clock (the operator: Unix
-    time from the API server's timestamps; the simulator: its own)."""
+    time from the API server's timestamps; the simulator: its own), and what its worker's metrics
+    say about its compiled forward."""
 
     uid: str
     # When the worker container now running started (containerStatuses[].state.running.startedAt):
@@ -509,6 +521,11 @@ class PodTiming:
     container_started: float | None
     # When the Ready condition last turned True (its lastTransitionTime); None: not Ready now.
     ready_since: float | None
+    # Once the worker runs its compiled forward (kvscale_forward_compiled 1): the seconds it took
+    # to get it (kvscale_forward_compile_seconds: its build behind the eager forward, which starts
+    # right after the weights are in, before Ready; or its load before Ready when a package was
+    # found). None: still eager, one that never compiles (GPUs, enforceEager), or not read.
+    compile_s: float | None = None
 
 
 def startup_of(pod: PodTiming, budget_s: float) -> float | None:
@@ -525,6 +542,26 @@ def startup_of(pod: PodTiming, budget_s: float) -> float | None:
     if span < 0 or span > budget_s + STARTUP_SLACK_S:
         return None
     return min(span, budget_s)
+
+
+def compiled_of(startup: float | None, pod: PodTiming, budget_s: float) -> float | None:
+    """How long this pod took from its container's start to compiled steps: its measured startup
+    plus its compile seconds (the build began before Ready, so this is late by the seconds between
+    the build's start and Ready: under one on the fixture model). None without both."""
+    if startup is None or pod.compile_s is None or pod.compile_s < 0:
+        return None
+    return min(budget_s, startup + pod.compile_s)
+
+
+def lookahead_of(ready: float | None, compiled: float | None, eager_share: float) -> float | None:
+    """The look-ahead from the median startup (to Ready) and the median time to compiled steps: a
+    new worker serves from Ready, at `eager_share` of its compiled capacity until it switches, so
+    the capacity it lacks until then counts as that share of the wait. Pure."""
+    if ready is None:
+        return None
+    if compiled is None or compiled <= ready:
+        return ready
+    return ready + (1.0 - eager_share) * (compiled - ready)
 
 
 def startup_estimate(startups: Iterable[float | None], budget_s: float) -> float | None:
@@ -545,6 +582,9 @@ class Autoscaler:
     # status could not tell). Never measured again: a readiness flap or a restart later is not a
     # startup. Pods that are gone are forgotten.
     startups: dict[str, float | None] = field(default_factory=dict)
+    # Pod uid -> its time from container start to compiled steps (`compiled_of`), measured the
+    # first time its worker reports the compiled forward. Pods that never compile have none.
+    compiled: dict[str, float | None] = field(default_factory=dict)
     interval_s: float = 2.0  # the scrape interval: history keeps one more on each side
     last_lookahead_s: float = 0.0  # the look-ahead of the last decision (for status)
 
@@ -553,9 +593,12 @@ class Autoscaler:
         for t in timings:
             if t.uid not in self.startups and t.ready_since is not None:
                 self.startups[t.uid] = startup_of(t, params.startup_budget_s)
+            if t.uid not in self.compiled and t.compile_s is not None and t.uid in self.startups:
+                self.compiled[t.uid] = compiled_of(self.startups[t.uid], t, params.startup_budget_s)
         alive = {t.uid for t in timings}
-        for uid in [u for u in self.startups if u not in alive]:
-            del self.startups[uid]
+        for measured in (self.startups, self.compiled):
+            for uid in [u for u in measured if u not in alive]:
+                del measured[uid]
         if self.history and sample.time < self.history[-1].time:
             self.history.clear()  # a clock that went back: the windows are meaningless
         self.history.append(sample)
@@ -566,8 +609,13 @@ class Autoscaler:
             self.history.popleft()
 
     def lookahead_s(self, params: Params) -> float:
-        """The look-ahead: the pods' median startup, at most the budget (params' own: none measured)."""
-        measured = startup_estimate(self.startups.values(), params.startup_budget_s)
+        """The look-ahead: the pods' median startup, lengthened by the wait for compiled steps
+        (`lookahead_of`) where the pods measured one; at most the budget (params' own: none
+        measured)."""
+        budget = params.startup_budget_s
+        ready = startup_estimate(self.startups.values(), budget)
+        compiled = startup_estimate(self.compiled.values(), budget)
+        measured = lookahead_of(ready, compiled, params.eager_share)
         return params.lookahead_s if measured is None else measured
 
     def decide(self, current: int, params: Params) -> Decision:

@@ -223,7 +223,8 @@ class Scaler:
         wall = time.time()
         states = {p.metadata.name: pod_state(p, wall, params.startup_budget_s) for p in pods}
         sample = await self._sample(session, pods, states, target)
-        target.scaler.observe(sample, [pod_timing(p) for p in pods], params)
+        compiled = {p.name: p.compile_s for p in sample.pods}
+        target.scaler.observe(sample, [pod_timing(p, compiled.get(p.metadata.name)) for p in pods], params)
         decision = target.scaler.decide(current, params)
         metrics.decided(ns, name, current, decision.replicas)
         zero = None
@@ -270,6 +271,7 @@ class Scaler:
                     running=m.get("running"),
                     arrivals=m.get("arrivals"),
                     marked=(p.metadata.annotations or {}).get(DELETION_COST) == VICTIM_COST,
+                    compile_s=m.get("compile_s"),
                 )
             )
         routers = await self._own(self.pods.routers_of(ns, name), target, router_name(name))

@@ -27,6 +27,9 @@ METRICS = {
     "waiting": ("kvscale_requests_waiting", "vllm:num_requests_waiting"),
     "running": ("kvscale_requests_running", "vllm:num_requests_running"),
     "finished": ("kvscale_requests_finished_total", "vllm:request_success_total"),
+    # The compiled forward (issue 29): 1 once steps run it, and the seconds it took.
+    "compiled": ("kvscale_forward_compiled",),
+    "compile_s": ("kvscale_forward_compile_seconds",),
 }
 # Requests refused for a full queue are demand too (other refusals are not: invalid, draining...).
 QUEUE_FULL = ("kvscale_requests_rejected_total", "reason", "queue_full")
@@ -35,7 +38,8 @@ QUEUE_FULL = ("kvscale_requests_rejected_total", "reason", "queue_full")
 def parse_metrics(text: str) -> dict[str, float]:
     """The signals from a Prometheus text exposition (summed over label sets), and `arrivals`:
     the requests the worker has received, a counter (finished + refused for a full queue + in
-    flight), whose rate is the demand on it whether or not it keeps up."""
+    flight), whose rate is the demand on it whether or not it keeps up; and `compile_s`, the
+    seconds its compiled forward took, once it runs it."""
     values: dict[str, float] = {}
     queue_full = 0.0
     for family in text_string_to_metric_families(text):
@@ -51,6 +55,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     if all(k in out for k in ("finished", "running", "waiting")):
         out["arrivals"] = out.pop("finished") + queue_full + out["running"] + out["waiting"]
     out.pop("finished", None)
+    compile_s = out.pop("compile_s", None)
+    if out.pop("compiled", None) == 1.0 and compile_s is not None:
+        out["compile_s"] = compile_s  # only once the compiled forward serves
     return out
 
 

@@ -56,8 +56,8 @@ class PodSecurity(CamelModel):
     fs_group: int | None = Field(
         default=None,
         ge=0,
-        description="The worker pods' fsGroup: needed where a model.cacheClaim volume is not "
-        "writable by the image's user.",
+        description="The worker pods' fsGroup: needed where a model.cacheClaim or compileCache "
+        "volume is not writable by the image's user.",
     )
 
 
@@ -123,7 +123,8 @@ class AdminPolicy(CamelModel):
     claims: list[str] | None = Field(
         default=None,
         description="Glob patterns of the PersistentVolumeClaims a spec mounts (pvc:// model and "
-        "draft URIs, model.cacheClaim). Unset: any claim of the resource's namespace.",
+        "draft URIs, model.cacheClaim, compileCache.claim). Unset: any claim of the resource's "
+        "namespace.",
     )
     max_gpus_per_pod: int | None = Field(default=None, ge=0, description="Most resources.gpus.")
     max_replicas: int | None = Field(
@@ -307,6 +308,8 @@ def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]
         used = [(f, u.removeprefix("pvc://").partition("/")[0]) for f, u in uris if u.startswith("pvc://")]
         if m.cache_claim:
             used.append(("spec.model.cacheClaim", m.cache_claim))
+        if spec.compile_cache is not None:
+            used.append(("spec.compileCache.claim", spec.compile_cache.claim))
         for field, claim in used:
             if not _glob(claim, policy.claims):
                 out.append(

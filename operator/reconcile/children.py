@@ -40,10 +40,15 @@ from kvscale.operator.reconcile.admin_policy import AdminPolicy, NetworkPolicySe
 
 PORT = 8000
 PRESTOP_SECONDS = 5  # endpoints stop routing to a terminating pod before it drains
+STARTUP_PROBE_PERIOD_S = 1
 MODELS_ROOT = "/models"
 HF_VOLUME = "hf-models"  # the hf:// downloads: an emptyDir, or model.cacheClaim
 HF_ROOT = f"{MODELS_ROOT}/hf"
 DOWNLOAD_SUFFIX = "model-download"  # the init containers: model-download, draft-model-download
+# spec.compileCache: mounted here; the worker's compiled forward in compiled/ (KVSCALE_COMPILE_CACHE),
+# Triton's kernels in triton/ (TRITON_CACHE_DIR) unless it is read-only.
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_ROOT = "/var/cache/kvscale"
 MASTER_PORT = 29500  # torch.distributed's rendezvous on the group's leader (rank 0)
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 # The LeaderWorkerSet controller's pod label: 0 on each group's leader (its node-rank 0).
@@ -191,8 +196,23 @@ def hf_model_path(uri: str) -> str:
 def hf_volume(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     m = spec.model
     if m.cache_claim:
-        return {"name": HF_VOLUME, "persistentVolumeClaim": {"claimName": m.cache_claim}}
+        read_only = {"readOnly": True} if m.cache_read_only else {}
+        return {"name": HF_VOLUME, "persistentVolumeClaim": {"claimName": m.cache_claim, **read_only}}
     return {"name": HF_VOLUME, "emptyDir": {"sizeLimit": m.cache_size}}
+
+
+def compile_cache(spec: InferenceDeploymentSpec) -> tuple[dict, dict, list[dict]] | None:
+    """(volume, mount, variables) of spec.compileCache, or None."""
+    c = spec.compile_cache
+    if c is None:
+        return None
+    read_only = {"readOnly": True} if c.read_only else {}
+    volume = {"name": COMPILE_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": c.claim, **read_only}}
+    mount = {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_ROOT, **read_only}
+    env = [{"name": "KVSCALE_COMPILE_CACHE", "value": f"{COMPILE_CACHE_ROOT}/compiled"}]
+    if not c.read_only:  # Triton writes its kernels where it caches them
+        env.append({"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_ROOT}/triton"})
+    return volume, mount, env
 
 
 def _download_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
@@ -219,19 +239,22 @@ def _download_env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
 def download_container(
     name: str, uri: str, spec: InferenceDeploymentSpec, image: str, resources: dict, security: dict
 ) -> dict[str, Any]:
-    """An init container fetching `uri` (hf://) into the shared volume before the worker starts.
-    A failure's reason (the downloader writes one line) lands in the pod's status as the
-    container's termination message, where the operator reads it into a condition."""
+    """An init container fetching `uri` (hf://) into the shared volume before the worker starts
+    (with model.cacheReadOnly: checking, read-only and offline, that it is there). A failure's
+    reason (the downloader writes one line) lands in the pod's status as the container's
+    termination message, where the operator reads it into a condition."""
+    check = ["--check"] if spec.model.cache_read_only else []
+    read_only = {"readOnly": True} if spec.model.cache_read_only else {}
     return {
         "name": name,
         "image": image,
         "command": ["kvscale-worker"],
-        "args": ["--log-format", "text", "download", uri, "--dest", hf_model_path(uri)],
+        "args": ["--log-format", "text", "download", uri, "--dest", hf_model_path(uri), *check],
         "env": _download_env(spec),
         "resources": resources,
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": HF_VOLUME, "mountPath": HF_ROOT},
+            {"name": HF_VOLUME, "mountPath": HF_ROOT, **read_only},
         ],
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -306,6 +329,9 @@ def _env(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
     ]
+    cache = compile_cache(spec)
+    if cache is not None:
+        ours = [v for v in ours if v["name"] not in {e["name"] for e in cache[2]}] + cache[2]
     if spec.server.api_key_secret:
         ref = {"name": spec.server.api_key_secret, "key": "api-key"}
         ours.append({"name": "KVSCALE_API_KEY", "valueFrom": {"secretKeyRef": ref}})
@@ -418,6 +444,9 @@ def pod_template(
         if volume is not None and mount is not None:
             volumes[volume["name"]], mounts[mount["name"]] = volume, mount
     model_path, draft_path = paths[0], (paths[1] if len(paths) > 1 else None)
+    cache = compile_cache(spec)
+    if cache is not None:
+        volumes[COMPILE_CACHE_VOLUME], mounts[COMPILE_CACHE_VOLUME] = cache[0], cache[1]
     # requests = limits for CPU and memory (Guaranteed QoS); ephemeral storage is requested so
     # the scheduler reserves it, and bounded by the /tmp size limit rather than a limit here.
     resources: dict[str, Any] = {
@@ -448,11 +477,13 @@ def pod_template(
         "resources": resources,
         "volumeMounts": list(mounts.values()),
         # Loading a model takes minutes: the startup probe holds liveness off until /ready says so.
+        # Every second: a worker that serves a few seconds after it starts (issue 29) is not held
+        # back by the probe's period (at 5 s, Ready came up to 5 s after /ready answered).
         "startupProbe": {
             "httpGet": http,
-            "periodSeconds": 5,
-            "timeoutSeconds": 2,
-            "failureThreshold": math.ceil(spec.server.startup_timeout_seconds / 5),
+            "periodSeconds": STARTUP_PROBE_PERIOD_S,
+            "timeoutSeconds": 1,
+            "failureThreshold": math.ceil(spec.server.startup_timeout_seconds / STARTUP_PROBE_PERIOD_S),
         },
         "readinessProbe": {"httpGet": http, "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 2},
         "livenessProbe": {

@@ -17,10 +17,13 @@ real model. The rotary tables and KV caches are inputs, so neither max_model_len
 is baked in.
 
 A package is found by its key (`artefact_key`): the model's shape (DecoderSpec), dtype, KV block
-size, torch's version and the CPU's ATen capability. Loading then checks what the key file records
-against this machine: the same torch, the same capability, and every instruction-set flag the
-compiler was told to use present in /proc/cpuinfo. A package built elsewhere is refused (logged),
-never loaded, and the worker compiles its own. The code is built for the vector ISA inductor picks
+size, torch's version and the CPU's ATen capability. Its folder is `<key digest>-<flags digest>`:
+the instruction-set flags the compiler was told to use name it too, so a compile cache shared by
+the replicas of a mixed fleet (a PVC, docs/operator.md) holds one package per CPU flavour side by
+side, and a worker never replaces a package another CPU built. Loading checks what the key file
+records against this machine: the same torch, the same capability, and every flag present in
+/proc/cpuinfo. A package for another CPU is skipped (logged), never loaded, and the worker compiles
+its own beside it. The code is built for the vector ISA inductor picks
 (its -m flags) rather than `-march=native`, so that a package built on one machine of a CPU
 generation runs on another; the OpenMP thread count is read at run time (`cpp.dynamic_threads`),
 so a package built on a 16-core image builder serves a 2-CPU pod.
@@ -28,6 +31,7 @@ so a package built on a 16-core image builder serves a 2-CPU pod.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -64,10 +68,27 @@ _CPUINFO_NAMES = {
 }
 
 
+def private_cache_dir() -> Path:
+    """This user's own compile cache: ~/.cache/kvscale/compiled (in a pod, on its /tmp emptyDir)."""
+    return Path.home() / ".cache" / "kvscale" / "compiled"
+
+
 def default_cache_dir() -> Path:
-    """Where built packages go: $KVSCALE_COMPILE_CACHE, else ~/.cache/kvscale/compiled."""
+    """Where built packages go: $KVSCALE_COMPILE_CACHE (in a pod, the compile-cache volume the
+    replicas share), else the private one."""
     env = os.environ.get(COMPILE_CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "kvscale" / "compiled"
+    return Path(env) if env else private_cache_dir()
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why a package cannot be built into folder (a read-only volume, another owner), or None."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot be made ({e.strerror})"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
 
 
 def cpu_flags() -> frozenset[str]:
@@ -122,13 +143,45 @@ def refusal(saved: dict, wanted: dict, host_flags: frozenset[str]) -> str | None
     return None
 
 
-def find_package(key: dict, dirs: list[Path]) -> Path | None:
-    """The first folder among dirs/<digest> that holds a complete package."""
+def flags_digest(cpu_flags: list[str]) -> str:
+    return hashlib.sha256(" ".join(sorted(cpu_flags)).encode()).hexdigest()[:8]
+
+
+def package_folder(cache_dir: Path, key: dict, cpu_flags: list[str]) -> Path:
+    """Where the package of `key` compiled with `cpu_flags` goes: one folder per CPU flavour."""
+    return cache_dir / f"{key_digest(key)}-{flags_digest(cpu_flags)}"
+
+
+def _unusable(folder: Path, wanted: dict, host: frozenset[str]) -> str | None:
+    """Why the package in folder cannot be loaded here (incomplete, unreadable, `refusal`), or None."""
+    if not ((folder / KEY_FILE).is_file() and all((folder / f"{g}.pt2").is_file() for g in GRAPHS)):
+        return "incomplete"
+    try:
+        saved = json.loads((folder / KEY_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"its {KEY_FILE} cannot be read ({e})"
+    return refusal(saved, wanted, host)
+
+
+def find_package(key: dict, dirs: list[Path], host_flags: frozenset[str] | None = None) -> Path | None:
+    """The first complete package for `key` among dirs that this machine may load (`refusal`: the
+    key file's torch, capability and CPU flags); within a folder, the one built for the most CPU
+    features first. Packages for other CPUs are skipped with a log line. Reads a few small files:
+    no compiler runs. A build's scratch folder starts with a dot and is never matched."""
     digest = key_digest(key)
+    wanted = json.loads(json.dumps(key))  # tuples as JSON has them
+    host = cpu_flags() if host_flags is None else host_flags
     for d in dirs:
-        folder = d / digest
-        if (folder / KEY_FILE).is_file() and all((folder / f"{g}.pt2").is_file() for g in GRAPHS):
-            return folder
+        found = []
+        for folder in d.glob(f"{digest}-*"):
+            reason = _unusable(folder, wanted, host)
+            if reason is None:
+                flags = json.loads((folder / KEY_FILE).read_text()).get("cpu_flags", [])
+                found.append((-len(flags), folder.name, folder))
+            elif reason != "incomplete":
+                logger.info("skipping the compiled package %s: %s", folder, reason)
+        if found:
+            return min(found)[2]
     return None
 
 
@@ -198,10 +251,14 @@ def cpu_arch_flags() -> str:
     return "" if not isa else isa.build_arch_flags()
 
 
-def build_package(model, dtype: torch.dtype, block_size: int, cache_dir: Path, progress=print) -> Path:
+def build_package(
+    model, dtype: torch.dtype, block_size: int, cache_dir: Path, progress=print, replace: bool = False
+) -> Path:
     """Export and compile the three graphs of `model` (weights need not be loaded) into
-    cache_dir/<digest>, written aside and renamed into place (workers sharing the folder never see
-    half a package; two building at once both rename, the same contents). Returns the folder."""
+    cache_dir/<digest>-<flags>, written aside and renamed into place: workers sharing the folder (a
+    PVC) never see half a package, and of two building at once the first rename wins and the second
+    drops its copy (the same package). A package already there for this CPU is replaced only when it
+    cannot be loaded, or with `replace`. Returns the folder."""
     import torch._inductor.config as inductor_config
 
     key = artefact_key(model.spec, dtype, block_size)
@@ -211,8 +268,10 @@ def build_package(model, dtype: torch.dtype, block_size: int, cache_dir: Path, p
     inductor_config.cpp.dynamic_threads = True  # the OpenMP thread count is read at run time
     key["cpu_flags"] = required_cpu_flags(arch)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    final = cache_dir / key_digest(artefact_key(model.spec, dtype, block_size))
+    final = package_folder(cache_dir, artefact_key(model.spec, dtype, block_size), key["cpu_flags"])
+    # Beside the final folder, on the same filesystem, so the rename is atomic (a shared volume).
     scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    scratch.chmod(0o755)  # mkdtemp's 0700 would hide it from replicas running as another user
     try:
         wrappers = {"decode1": _Decode(model), "decoden": _Decode(model), "chunk": _Chunk(model)}
         for i, graph in enumerate(GRAPHS):
@@ -229,13 +288,16 @@ def build_package(model, dtype: torch.dtype, block_size: int, cache_dir: Path, p
             )
             progress(f"{step}: done in {time.monotonic() - started:.1f} s")
         (scratch / KEY_FILE).write_text(json.dumps(key, indent=1, sort_keys=True))
-        if final.exists():  # a refused package (built for other CPU features): set aside, replaced
+        wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size)))
+        if final.exists() and (replace or _unusable(final, wanted, cpu_flags()) is not None):
+            # Ours, for this CPU, yet not loadable (a torn copy) or a forced rebuild: set aside, replaced.
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
+            with contextlib.suppress(OSError):  # another builder set it aside first
+                final.rename(old)
             shutil.rmtree(old, ignore_errors=True)
         try:
             scratch.rename(final)
-        except OSError:  # another builder finished first: theirs is the same package
+        except OSError:  # another builder finished first (two pods at once): theirs is the same
             shutil.rmtree(scratch, ignore_errors=True)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -300,7 +362,8 @@ def build_for_model(
         try:
             load_package(found, model, dtype, block_size)
             return found, False
-        except PackageRefused as e:
-            progress(f"refusing {e}; compiling anew")
+        except Exception as e:  # a torn or foreign package under this CPU's name: replaced
+            progress(f"cannot load {found} ({e}); compiling anew")
+            force = True
     progress(f"compiling the forward of {model_path} ({dtype}, block size {block_size}) into {cache_dir}")
-    return build_package(model, dtype, block_size, cache_dir, progress), True
+    return build_package(model, dtype, block_size, cache_dir, progress, replace=force), True

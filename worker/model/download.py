@@ -239,11 +239,28 @@ def download(model: HfModel, dest: Path, *, progress_s: float = PROGRESS_S) -> s
     return commit
 
 
-def main(uri: str, dest: str, termination_log: str = TERMINATION_LOG) -> int:
+def check(model: HfModel, dest: Path) -> str:
+    """The commit of the complete snapshot of `model` in `dest`, read from its marker alone (no
+    network, nothing written: a read-only model cache filled once beforehand); raises
+    DownloadError saying how to fill it when there is none."""
+    marker = read_marker(dest) or {}
+    if marker.get("repo") == model.repo and model.revision in (marker.get("revision"), marker.get("commit")):
+        commit = marker["commit"]
+        logger.info("%s (commit %s) is complete in the read-only model cache %s", model, commit, dest)
+        return commit
+    raise DownloadError(
+        f"{model} is not in the read-only model cache at {dest} (model.cacheReadOnly): fill the claim "
+        f"once with `kvscale-worker download {model} --dest {dest}` (docs/operator.md, Caches)"
+    )
+
+
+def main(uri: str, dest: str, termination_log: str = TERMINATION_LOG, check_only: bool = False) -> int:
     """The `download` subcommand: 0 with the snapshot in `dest`, else 1 with the reason in the
-    log and in `termination_log` (the kubelet's terminationMessagePath)."""
+    log and in `termination_log` (the kubelet's terminationMessagePath). `check_only`: only check
+    that a complete snapshot is there (`check`)."""
     try:
-        download(parse_uri(uri), Path(dest))
+        model = parse_uri(uri)
+        (check if check_only else download)(model, Path(dest))
         return 0
     except (DownloadError, ValueError) as e:
         reason = str(e)

@@ -25,6 +25,8 @@ from kvscale.worker.model.aot_package import (
     default_cache_dir,
     find_package,
     load_package,
+    private_cache_dir,
+    unwritable,
 )
 from kvscale.worker.model.attention.backend import CommonAttentionMetadata
 from kvscale.worker.model.attention.selector import get_attention_backend
@@ -203,8 +205,9 @@ class ModelRunner:
             logger.info("eager forward: %s", reason)
             return
         cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
+        private = private_cache_dir()
         key = artefact_key(self.spec, self.dtype, self.block_size)
-        folder = find_package(key, [cache_dir, SHIPPED_DIR])
+        folder = find_package(key, list(dict.fromkeys([cache_dir, private, SHIPPED_DIR])))
         if folder is not None:
             started = time.monotonic()
             try:
@@ -220,6 +223,19 @@ class ModelRunner:
                 self.switched_at = time.monotonic()
                 logger.info("loaded the compiled forward from %s in %.2f s", folder, self.compile_seconds)
                 return
+        problem = unwritable(cache_dir)
+        if problem is not None:
+            # A compile cache mounted read-only (filled beforehand) without this CPU's package.
+            if private == cache_dir or unwritable(private) is not None:
+                why = f"the compile cache {cache_dir} {problem}"
+                why += "" if private == cache_dir else f", and {private} {unwritable(private)}"
+                logger.warning("eager forward: %s", why)
+                return
+            logger.warning(
+                "the compile cache %s %s: the compiled forward is built into %s, for this worker alone",
+                cache_dir, problem, private,
+            )  # fmt: skip
+            cache_dir = private
         dtype = str(self.dtype).removeprefix("torch.")
         command = compile_command(args.model, dtype, self.block_size, cache_dir, args.compile_nice)
         logger.info(

@@ -1,0 +1,146 @@
+"""A compile cache shared by the replicas (a PVC at $KVSCALE_COMPILE_CACHE, docs/operator.md): one
+package per CPU flavour side by side, each worker loading the one its CPU may run; two builders at
+once leave one package; a cache the worker cannot write (mounted read-only) sends the build to the
+worker's private cache. No compiler runs here: torch.export and AOTInductor are replaced by stubs
+that write placeholder files (tests/test_compiled_forward.py builds real packages)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvscale.worker import LLM
+from kvscale.worker.model import aot_package, model_runner
+from kvscale.worker.model.aot_package import (
+    GRAPHS,
+    KEY_FILE,
+    artefact_key,
+    build_package,
+    find_package,
+    package_folder,
+)
+from kvscale.worker.model.llama import LlamaForCausalLM
+from kvscale.worker.model.loader import allocate_parameters, load_config
+
+KEY = {"format": 1, "model": {"hidden_size": 8}, "dtype": "float32", "block_size": 16, "torch": "2.x",
+       "cpu_capability": "AVX512"}  # fmt: skip
+AVX512 = ["avx512bw", "avx512dq", "avx512f", "avx512vl", "fma"]
+AMX = [*AVX512, "amx_bf16", "amx_int8", "amx_tile"]
+
+
+def fake_package(cache: Path, flags: list[str]) -> Path:
+    folder = package_folder(cache, KEY, flags)
+    folder.mkdir(parents=True)
+    for graph in GRAPHS:
+        (folder / f"{graph}.pt2").write_bytes(b"pt2")
+    (folder / KEY_FILE).write_text(json.dumps({**KEY, "cpu_flags": flags}))
+    return folder
+
+
+def test_packages_for_two_cpus_sit_side_by_side_and_each_worker_finds_its_own(tmp_path, caplog):
+    """A mixed fleet sharing one cache: the AMX node's package and the AVX-512 node's live in two
+    folders under one key; an AVX-512 host skips the AMX one (logged) and an AMX host takes the one
+    built for the most of its features. Before, both went to one folder, and each CPU replaced the
+    other's package every time it started."""
+    plain, amx = fake_package(tmp_path, AVX512), fake_package(tmp_path, AMX)
+    assert plain != amx and plain.parent == amx.parent == tmp_path
+    with caplog.at_level(logging.INFO, logger=aot_package.__name__):
+        assert find_package(KEY, [tmp_path], frozenset(AVX512)) == plain
+    assert "amx_bf16" in caplog.text and amx.name in caplog.text
+    assert find_package(KEY, [tmp_path], frozenset(AMX)) == amx
+    assert find_package(KEY, [tmp_path], frozenset(["avx2", "fma"])) is None
+    assert find_package({**KEY, "torch": "2.y"}, [tmp_path], frozenset(AMX)) is None
+
+
+def test_an_incomplete_or_hidden_folder_is_never_a_package(tmp_path):
+    folder = fake_package(tmp_path, AVX512)
+    (folder / "chunk.pt2").unlink()
+    assert find_package(KEY, [tmp_path], frozenset(AVX512)) is None
+    scratch = tmp_path / f".{folder.name}.abc"  # a build in progress
+    scratch.mkdir()
+    (scratch / KEY_FILE).write_text(json.dumps({**KEY, "cpu_flags": AVX512}))
+    assert find_package(KEY, [tmp_path], frozenset(AVX512)) is None
+
+
+@pytest.fixture
+def stub_compiler(monkeypatch):
+    """torch.export and AOTInductor replaced: each 'package' is a file naming its builder."""
+    builds = []
+
+    def package(exported, package_path, inductor_configs):
+        Path(package_path).write_text(str(len(builds)))
+        builds.append(package_path)
+
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: None)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", package)
+    return builds
+
+
+def tiny_model(path: str):
+    config = load_config(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_position=64)
+    model.tie_weights()
+    allocate_parameters(model, torch.device("cpu"), torch.float32)
+    model.init_rope(torch.device("cpu"))
+    return model
+
+
+def test_two_builders_at_once_leave_one_whole_package(target_model, tmp_path, stub_compiler):
+    """Two pods built the same package into a shared cache: the first rename puts its folder in
+    place, the second finds it there, keeps it and drops its own copy; no scratch folder is left."""
+    model = tiny_model(target_model)
+    first = build_package(model, torch.float32, 16, tmp_path, progress=lambda _: None)
+    second = build_package(model, torch.float32, 16, tmp_path, progress=lambda _: None)
+    assert first == second and len(stub_compiler) == 2 * len(GRAPHS)
+    assert (first / "chunk.pt2").read_text() == str(GRAPHS.index("chunk"))  # the first builder's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
+    key = json.loads((first / KEY_FILE).read_text())
+    assert {k: v for k, v in key.items() if k != "cpu_flags"} == json.loads(
+        json.dumps(artefact_key(model.spec, torch.float32, 16))
+    )
+    assert first.stat().st_mode & 0o055 == 0o055  # other users of the volume may read it
+    # A forced rebuild replaces it.
+    build_package(model, torch.float32, 16, tmp_path, progress=lambda _: None, replace=True)
+    assert (first / "chunk.pt2").read_text() == str(len(GRAPHS) * 2 + GRAPHS.index("chunk"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
+
+
+def builds_into(monkeypatch, target_model, compile_cache_dir: Path, home: Path):
+    """The folder a worker hands its build behind (None: no build)."""
+    commands = []
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(
+        model_runner,
+        "compile_command",
+        lambda *a: commands.append(a) or [sys.executable, "-c", "raise SystemExit(3)"],
+    )
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(compile_cache_dir), num_kv_blocks=64)
+    try:
+        assert llm.engine.runner.model.compiled is None
+        return commands[0][3] if commands else None
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_compile_cache_the_worker_cannot_write_sends_its_build_to_its_own(
+    target_model, tmp_path, monkeypatch, caplog
+):
+    """A compile cache mounted read-only without this CPU's package: the worker serves eagerly
+    and builds into its private cache (the pod's /tmp), saying why; with no writable folder at all
+    it stays eager and says so. (A path under a file: unwritable even for root.)"""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        into = builds_into(monkeypatch, target_model, blocked / "compiled", tmp_path / "home")
+    assert into == tmp_path / "home" / ".cache" / "kvscale" / "compiled"
+    assert "cannot be made" in caplog.text and "for this worker alone" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        assert builds_into(monkeypatch, target_model, blocked / "compiled", blocked / "home") is None
+    assert "eager forward: the compile cache" in caplog.text
