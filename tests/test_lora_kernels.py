@@ -34,7 +34,9 @@ def row_by_row(out, x, a, b, slots, slices):
             continue
         y = x[t].float() @ a[slot].float().T
         for i, (offset, size) in enumerate(slices):
-            out[t, offset : offset + size] += b[slot, offset : offset + size].float() @ y[i * rank : (i + 1) * rank]
+            out[t, offset : offset + size] += (
+                b[slot, offset : offset + size].float() @ y[i * rank : (i + 1) * rank]
+            )
     return out
 
 
