@@ -121,6 +121,7 @@ class AsyncLLM:
                     self.args.block_size,
                     self.engine.kv_cache_manager.num_blocks,
                     self.args.enable_prefix_caching,
+                    self.args.max_loras if self.args.enable_lora else 0,
                 )
                 self._publish_metrics()
             except BaseException as e:

@@ -9,6 +9,7 @@ generated; RequestOutputAccumulator rebuilds whole outputs (LLM.generate uses it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.lora.adapter import LoRAAdapter
+from kvscale.worker.lora.manager import LoRAStats
 from kvscale.worker.lora.request import LoRARequest
 from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.llama import DecoderSpec
@@ -176,6 +178,7 @@ class LLMEngine:
         self._stats = IterationStats()
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+        self._seen_lora = LoRAStats()
         self._failed: dict[str, RequestFailedError] = {}
         self._consecutive_failed_steps = 0
         # Async scheduling (docs/engine.md): the step launched and not yet processed, and how many
@@ -663,6 +666,14 @@ class LLMEngine:
         if self._structured_output is not None:
             stats.grammar_compile_times = self._structured_output.take_compile_times()
         runner = self.runner
+        if runner.lora is not None:
+            now = runner.lora.stats
+            seen = self._seen_lora
+            stats.lora_slot_loads = now.slot_loads - seen.slot_loads
+            stats.lora_slot_evictions = now.slot_evictions - seen.slot_evictions
+            stats.lora_host_evictions = now.host_evictions - seen.host_evictions
+            stats.lora_disk_loads = now.disk_loads - seen.disk_loads
+            self._seen_lora = dataclasses.replace(now)
         stats.forward = runner.forward_kind
         stats.compile_seconds = runner.compiler_seconds or runner.compile_seconds
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)

@@ -48,6 +48,12 @@ class IterationStats:
     # generated tokens (the base model's are not listed).
     lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters moved since the last stats: host -> device slot copies, slots given to another
+    # adapter, adapters dropped from host memory, adapters read from their folders.
+    lora_slot_loads: int = 0
+    lora_slot_evictions: int = 0
+    lora_host_evictions: int = 0
+    lora_disk_loads: int = 0
 
 
 @dataclass
