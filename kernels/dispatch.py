@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from kvscale.kernels import norm, rotary
+from kvscale.kernels import lora, norm, rotary
 
 
 @functools.cache
@@ -67,3 +67,21 @@ def apply_rotary_embedding(
 
         return triton_rotary.apply_rotary_embedding(positions, query, key, cos_cache, sin_cache)
     return rotary.apply_rotary_embedding(positions, query, key, cos_cache, sin_cache)
+
+
+def add_lora(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slices: list[tuple[int, int]],
+    segments: lora.Segments | None = None,
+) -> torch.Tensor:
+    """Each row's LoRA product added into `out` (kernels/lora.py). On the CPU the reference runs
+    per adapter segment (`segments`, computed once per step); on CUDA, Triton's per-row gather."""
+    if _use_triton(x):
+        from kvscale.kernels import triton_lora
+
+        return triton_lora.add_lora(out, x, lora_a, lora_b, token_slots, slices)
+    return lora.add_lora(out, x, lora_a, lora_b, token_slots, slices, segments)

@@ -28,11 +28,11 @@ STACKS: dict[str, list[tuple[str, ...]]] = {
     # rank processes, the engine, the server, and the entry points that use all of it.
     "worker": [
         ("kvscale.worker.config", "kvscale.worker.metrics"),
-        ("kvscale.worker.sample",),  # SamplingParams, the sampler, logprobs
+        ("kvscale.worker.sample", "kvscale.worker.lora.request"),  # SamplingParams, the sampler, logprobs
         ("kvscale.worker.structured_output",),
         ("kvscale.worker.core",),  # a Request holds its SamplingParams and its grammar
         ("kvscale.worker.distributed",),
-        ("kvscale.worker.model",),  # its layers call distributed/'s collectives
+        ("kvscale.worker.model", "kvscale.worker.lora"),  # its layers call distributed/'s collectives
         ("kvscale.worker.spec_decode",),
         ("kvscale.worker.executor",),  # the rank processes run the model runner
         ("kvscale.worker.engine",),

@@ -90,7 +90,9 @@ def iteration() -> IterationStats:
         time_to_first_tokens=[0.02, 0.3],
         inter_token_latencies=[0.01, 0.012, 0.05],
         finished=[
-            FinishedRequestStats("length", 1.2, 0.1, num_prompt_tokens=7, num_generation_tokens=5),
+            FinishedRequestStats(
+                "length", 1.2, 0.1, num_prompt_tokens=7, num_generation_tokens=5, lora_name="a"
+            ),
             FinishedRequestStats("abort", 0.4, None, num_prompt_tokens=3, num_generation_tokens=0),
         ],
         num_preemptions=2,
@@ -100,6 +102,8 @@ def iteration() -> IterationStats:
         num_draft_tokens=9,
         num_accepted_tokens=4,
         accepted_per_position=[3, 1, 0],
+        lora_prompt_tokens={"a": 7},
+        lora_generation_tokens={"a": 5},
     )
 
 

@@ -12,6 +12,7 @@ _EXPORTS = {
     "CompletionOutput": "kvscale.worker.engine.outputs",
     "EngineArgs": "kvscale.worker.config",
     "LLMEngine": "kvscale.worker.engine.llm_engine",
+    "LoRARequest": "kvscale.worker.lora.request",
     "RequestOutput": "kvscale.worker.engine.outputs",
     "SamplingParams": "kvscale.worker.sample.sampling_params",
 }

@@ -123,6 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvscale.worker.server.api_server import ServerConfig, serve
+    from kvscale.worker.server.lora_serving import LoRAServingConfig, parse_lora_modules
 
     args.model = resolve_model(args.model)
     engine_args = EngineArgs.from_cli_args(args)
@@ -138,6 +139,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_unstreamed_entries=args.max_unstreamed_entries,
         drain_timeout=args.drain_timeout,
         engine_iteration_timeout=args.engine_iteration_timeout,
+        lora=LoRAServingConfig(
+            modules=parse_lora_modules(args.lora_modules or []),
+            allowed_roots=args.lora_allowed_roots,
+            runtime_updating=args.enable_lora_runtime_updating,
+        ),
     )
     return asyncio.run(serve(engine_args, config))
 
@@ -241,6 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="/health fails while one engine step runs longer than this (seconds; 0: never)",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, each selected by a request's `model` "
+        "(needs --enable-lora)",
+    )
+    srv.add_argument(
+        "--lora-allowed-roots",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="folders adapters may be read from (every file, symlinks resolved); runtime loads need them",
+    )
+    srv.add_argument(
+        "--enable-lora-runtime-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, off by default)",
     )
     srv.set_defaults(func=cmd_serve)
 

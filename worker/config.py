@@ -74,6 +74,13 @@ class EngineArgs:
     # Tensor parallelism (docs/parallelism.md): tensor_parallel_size ranks in all, over nnodes hosts
     # of tensor_parallel_size / nnodes ranks each; this host is node_rank, node 0 (which runs the
     # scheduler and the API) hosts the rendezvous at master_addr:master_port.
+    # LoRA adapters (docs/engine.md#lora-adapters; vLLM's flags): up to max_loras adapters in one
+    # batch, resident in device slots at rank max_lora_rank (smaller ranks are zero-padded), and up
+    # to max_cpu_loras (default max_loras) kept in host memory; beyond that they are read again.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -115,6 +122,21 @@ class EngineArgs:
                 raise ValueError(message)
         self._check_speculative()
         self._check_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes

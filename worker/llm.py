@@ -8,6 +8,7 @@ from typing import Any
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
+from kvscale.worker.lora.request import LoRARequest
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -29,8 +30,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, all in one continuous batch; outputs in prompt order."""
+        """Run every prompt to completion, all in one continuous batch; outputs in prompt order.
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base model), as
+        in vLLM; the engine needs enable_lora."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: a string or a single list of token ids
         prompts = list(prompts)
@@ -40,13 +44,19 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
 
         engine = self.engine
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(engine.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+                ids.append(engine.add_request(prompt, p, lora_request=lora))
             ours = set(ids)  # the engine may also be running requests added through it directly
             # The engine's outputs are deltas; whole outputs are gathered here.
             running: dict[str, RequestOutputAccumulator] = {}

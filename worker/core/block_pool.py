@@ -29,12 +29,17 @@ from dataclasses import dataclass
 BlockHash = bytes  # a 32-byte SHA-256 digest
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
+def root_hash(cache_salt: str | None, adapter_digest: str | None = None) -> BlockHash:
     """The parent hash of a request's first block. A salt gives a chain of its own: requests with
-    different salts (or one with and one without) share no block, even for the same prompt."""
+    different salts (or one with and one without) share no block, even for the same prompt. So does
+    a LoRA adapter (the digest of its weights): its KV never serves the base model or another one."""
     if cache_salt is None:
-        return hashlib.sha256(b"kvscale-prefix-root").digest()
-    return hashlib.sha256(b"kvscale-prefix-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+        root = hashlib.sha256(b"kvscale-prefix-root").digest()
+    else:
+        root = hashlib.sha256(b"kvscale-prefix-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    if adapter_digest is None:
+        return root
+    return hashlib.sha256(b"kvscale-prefix-lora\0" + adapter_digest.encode() + b"\0" + root).digest()
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:

@@ -50,10 +50,10 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend request.block_hashes over every full block of its known tokens (the chain starts
-        from the request's cache salt)."""
+        from the request's cache salt and LoRA adapter)."""
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(request.cache_salt, request.adapter_digest)
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -12,6 +12,7 @@ from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvscale.worker.lora.request import LoRARequest
     from kvscale.worker.structured_output.request import StructuredOutputRequest
 
 
@@ -78,6 +79,10 @@ class Request:
     structured_output: StructuredOutputRequest | None = None
     # SamplingParams.bad_words as token id sequences (LLMEngine.make_request fills it).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # LoRA: the adapter the request runs with (None: the base model) and the digest of its weights,
+    # which seeds the block-hash chain: an adapter's KV never serves another's request.
+    lora_request: LoRARequest | None = None
+    adapter_digest: str | None = None
 
     # Speculative decoding: how many leading tokens the draft model's cache holds (verified ones
     # only), tokens proposed and accepted so far, and decayed counts behind the next lookahead.
@@ -103,6 +108,10 @@ class Request:
     def cache_salt(self) -> str | None:
         """Seeds the request's block-hash chain: only requests with the same salt share KV blocks."""
         return self.sampling_params.cache_salt
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def needs_host_tokens(self) -> bool:

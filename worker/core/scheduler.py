@@ -28,6 +28,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    # The most LoRA adapters the running batch may use at once (the device's slots); 0: no limit.
+    max_loras: int = 0
 
 
 @dataclass
@@ -175,6 +177,7 @@ class Scheduler:
         # Admit new work only if nothing was just preempted: a full pool would evict it again.
         # A request whose grammar is still compiling is passed over (it keeps its place in line).
         skipped: list[Request] = []
+        adapters = self._running_adapters()
         while (
             self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
         ):
@@ -193,6 +196,11 @@ class Scheduler:
                     self.grammar_failures.append(request)
                     continue
                 request.status = RequestStatus.WAITING
+            if not self._adapter_fits(request, adapters):
+                # Its adapter would be one more than the slots hold: it waits (keeping its place)
+                # until a running adapter's requests finish; requests behind it may go first.
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -208,6 +216,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
+            if request.lora_request is not None:
+                adapters.add(request.lora_request.lora_int_id)
             self._schedule(out, request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
@@ -216,6 +226,15 @@ class Scheduler:
             for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
                 request.num_computed_tokens += n
         return out
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether admitting the request keeps the running batch within max_loras adapters."""
+        lora = request.lora_request
+        limit = self.config.max_loras
+        return lora is None or not limit or lora.lora_int_id in adapters or len(adapters) < limit
 
     def _pending_is_last(self, request: Request) -> bool:
         """Its pending token will be its last (max_tokens or the model length): known before the
@@ -338,4 +357,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=pc.queries,
             prefix_cache_hits=pc.hits,
+            running_lora_adapters=sorted({r.lora_name for r in self.running if r.lora_request is not None}),
+            waiting_lora_adapters=sorted({r.lora_name for r in self.waiting if r.lora_request is not None}),
         )

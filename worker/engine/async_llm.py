@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
+from kvscale.worker.lora.request import LoRARequest
 from kvscale.worker.metrics.prometheus import EngineMetrics
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.structured_output.manager import GrammarHandle
@@ -123,6 +124,7 @@ class AsyncLLM:
                     self.args.block_size,
                     self.engine.kv_cache_manager.num_blocks,
                     self.args.enable_prefix_caching,
+                    self.args.max_loras if self.args.enable_lora else 0,
                 )
                 self._publish_metrics()
             except BaseException as e:
@@ -189,6 +191,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         grammar: GrammarHandle | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas (what is new since the previous one) until the request finishes. Raises
         ValueError at once when the request can never run. Leaving the iteration early
@@ -206,7 +209,10 @@ class AsyncLLM:
         self._num_preparing += params.n
         try:
             parent = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: engine.make_request(prompt, params, request_id, grammar=grammar)
+                None,
+                lambda: engine.make_request(
+                    prompt, params, request_id, grammar=grammar, lora_request=lora_request
+                ),
             )
         finally:
             self._num_preparing -= params.n

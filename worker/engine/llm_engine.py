@@ -9,6 +9,7 @@ generated; RequestOutputAccumulator rebuilds whole outputs (LLM.generate uses it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,6 +28,9 @@ from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerO
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
+from kvscale.worker.lora.adapter import LoRAAdapter
+from kvscale.worker.lora.manager import LoRAStats
+from kvscale.worker.lora.request import LoRARequest
 from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats
 from kvscale.worker.model.llama import DecoderSpec
 from kvscale.worker.model.loader import load_config, load_generation_defaults, load_tokenizer
@@ -106,6 +110,7 @@ def _finished_stats(request: Request) -> FinishedRequestStats:
         else request.first_scheduled_time - request.arrival_time,
         num_prompt_tokens=request.num_prompt_tokens,
         num_generation_tokens=request.num_output_tokens,
+        lora_name=request.lora_name,
     )
 
 
@@ -118,6 +123,7 @@ class ParentRequest:
     # Output tokens already given to each child's detokenizer, which are also those already handed
     # out in a delta.
     num_fed: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # pinned in host memory from add_prepared to its end
 
 
 class LLMEngine:
@@ -157,7 +163,12 @@ class LLMEngine:
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                args.max_num_seqs,
+                args.max_num_batched_tokens,
+                self.max_model_len,
+                max_loras=args.max_loras if args.enable_lora else 0,
+            ),
             self.kv_cache_manager,
         )
         self.spec_decoder = self._make_spec_decoder(args) if args.speculative_method else None
@@ -167,6 +178,7 @@ class LLMEngine:
         self._stats = IterationStats()
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
+        self._seen_lora = LoRAStats()
         self._failed: dict[str, RequestFailedError] = {}
         self._consecutive_failed_steps = 0
         # Async scheduling (docs/engine.md): the step launched and not yet processed, and how many
@@ -239,6 +251,24 @@ class LLMEngine:
             raise ValueError("min_tokens cannot be combined with structured outputs")
         return self.structured_output.prepare(params.structured_outputs, client)
 
+    # -- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, allowed_roots: list[str] | None = None) -> LoRAAdapter:
+        """Read and check an adapter into host memory (vLLM's add_lora). Any thread: the server
+        calls it off its event loop. Raises ValueError for an adapter this engine will not serve;
+        `allowed_roots`: the folders its files must resolve into (None: anywhere)."""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora, --enable-lora)")
+        return lora.load(lora_request, allowed_roots)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already running on it finish on it. Returns whether it was known."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+
+    def _release_lora(self, parent: ParentRequest) -> None:
+        if parent.lora_request is not None and self.runner.lora is not None:
+            self.runner.lora.unpin(parent.lora_request.lora_int_id)
+
     # -- requests in and out -----------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -256,12 +286,15 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         grammar: GrammarHandle | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ParentRequest:
         """Tokenize and validate a request without queueing it (raises ValueError when it can never
         run). Touches no scheduler state, so the server calls it from its own thread. `grammar`:
         the constraint's compile from prepare_grammar (nothing about it is checked or parsed
         again); without it the constraint is checked and parsed here, and compiles in the
-        background."""
+        background. `lora_request`: the adapter to run with, read into host memory here if it is
+        not there (so that the engine thread never waits on the disk for it)."""
+        adapter_digest = None if lora_request is None else self.add_lora(lora_request).digest
         params = (params or SamplingParams()).with_defaults(self.default_sampling_params)
         if request_id is None:  # skip ids the caller chose for earlier requests
             request_id = str(next(self._ids))
@@ -298,6 +331,8 @@ class LLMEngine:
                 arrival_time=arrival,
                 prompt=text,
                 bad_words_token_ids=bad_words,
+                lora_request=lora_request,
+                adapter_digest=adapter_digest,
             )
             if i > 0:
                 child.prompt_logprobs = None  # the first sequence computes them for all
@@ -321,7 +356,9 @@ class LLMEngine:
             )
             for _ in children
         ]
-        return ParentRequest(request_id, text, children, detokenizers, [0] * len(children))
+        return ParentRequest(
+            request_id, text, children, detokenizers, [0] * len(children), lora_request=lora_request
+        )
 
     def add_prepared(self, parent: ParentRequest) -> str:
         """Queue a request made by make_request."""
@@ -331,6 +368,10 @@ class LLMEngine:
         taken = [c.request_id for c in parent.children if c.request_id in self.scheduler.requests]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
+        if parent.lora_request is not None:
+            if self.runner.lora is None:
+                raise ValueError("LoRA adapters are not enabled on this engine (enable_lora, --enable-lora)")
+            self.runner.lora.pin(parent.lora_request)  # released when the request ends
         for child in parent.children:
             self.scheduler.add_request(child)
             self._child_to_parent[child.request_id] = parent.request_id
@@ -345,9 +386,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request; raises ValueError (nothing queued) when it can never run."""
-        return self.add_prepared(self.make_request(prompt, params, request_id, arrival_time))
+        return self.add_prepared(
+            self.make_request(prompt, params, request_id, arrival_time, lora_request=lora_request)
+        )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Finish requests now and free their KV blocks; unknown or finished ids are ignored."""
@@ -362,6 +406,7 @@ class LLMEngine:
                 self._stats.finished.append(_finished_stats(child))
             for child in parent.children:
                 self._child_to_parent.pop(child.request_id, None)
+            self._release_lora(parent)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a launched step whose outputs are still to be processed."""
@@ -621,6 +666,14 @@ class LLMEngine:
         if self._structured_output is not None:
             stats.grammar_compile_times = self._structured_output.take_compile_times()
         runner = self.runner
+        if runner.lora is not None:
+            now = runner.lora.stats
+            seen = self._seen_lora
+            stats.lora_slot_loads = now.slot_loads - seen.slot_loads
+            stats.lora_slot_evictions = now.slot_evictions - seen.slot_evictions
+            stats.lora_host_evictions = now.host_evictions - seen.host_evictions
+            stats.lora_disk_loads = now.disk_loads - seen.disk_loads
+            self._seen_lora = dataclasses.replace(now)
         stats.forward = runner.forward_kind
         stats.compile_seconds = runner.compiler_seconds or runner.compile_seconds
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)
@@ -662,6 +715,13 @@ class LLMEngine:
     def _record_token_stats(self, request: Request, seen: int) -> None:
         stats, times = self._stats, request.token_times
         stats.num_generation_tokens += len(times) - seen
+        lora = request.lora_name
+        if lora is not None:
+            stats.lora_generation_tokens[lora] = stats.lora_generation_tokens.get(lora, 0) + len(times) - seen
+            if seen == 0:
+                stats.lora_prompt_tokens[lora] = (
+                    stats.lora_prompt_tokens.get(lora, 0) + request.num_prompt_tokens
+                )
         if seen == 0:
             stats.num_prompt_tokens += request.num_prompt_tokens
             stats.time_to_first_tokens.append(times[0] - request.arrival_time)
@@ -675,6 +735,7 @@ class LLMEngine:
             del self._parents[parent.request_id]
             for child in parent.children:
                 self._child_to_parent.pop(child.request_id, None)
+            self._release_lora(parent)
         first = parent.children[0]
         return RequestOutput(
             request_id=parent.request_id,

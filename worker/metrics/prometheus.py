@@ -212,6 +212,44 @@ class EngineMetrics:
             "Seconds the compiled forward took to be ready: its build behind and load, or its load at "
             "start-up when a package was found (0 until then).",
         )
+        # LoRA adapters, per adapter name (vLLM exports no such metrics: ours only). The base
+        # model's requests are not counted here; an adapter's series appears with its first request.
+        self.lora_finished = twin(
+            Counter,
+            ["kvscale_lora_requests_finished"],
+            "Finished requests of each LoRA adapter, by reason.",
+            extra_labels=("lora_name", "finished_reason"),
+        )
+        self.lora_prompt_tokens = twin(
+            Counter,
+            ["kvscale_lora_prompt_tokens"],
+            "Prompt tokens of each LoRA adapter's requests that started.",
+            extra_labels=("lora_name",),
+        )
+        self.lora_generation_tokens = twin(
+            Counter,
+            ["kvscale_lora_generation_tokens"],
+            "Tokens generated with each LoRA adapter.",
+            extra_labels=("lora_name",),
+        )
+        self.lora_moves = {
+            kind: twin(Counter, [f"kvscale_lora_{kind}"], doc)
+            for kind, doc in (
+                ("slot_loads", "LoRA adapters copied into a device slot (from host memory)."),
+                (
+                    "slot_evictions",
+                    "LoRA adapters evicted from a device slot to make room (kept in host memory).",
+                ),
+                (
+                    "host_evictions",
+                    "LoRA adapters dropped from host memory (--max-cpu-loras); read again when needed.",
+                ),
+                ("disk_loads", "LoRA adapters read from their folders."),
+            )
+        }
+        self._lora_info: Gauge | None = None
+        self._lora_labels: dict[str, str] | None = None
+        self._max_lora = "0"
         for forward in FORWARDS:
             self.step_seconds.child(forward=forward)
         # Labelled children exist from the start, so rate() sees a zero before the first event.
@@ -220,11 +258,13 @@ class EngineMetrics:
         for reason in REJECT_REASONS:
             self.rejected.child(reason=reason)
 
-    def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def cache_config(
+        self, block_size: int, num_blocks: int, enable_prefix_caching: bool, max_lora: int = 0
+    ) -> None:
         """vLLM's info gauges, set once the KV pool is sized: the Gateway API inference extension's
         endpoint picker reads the block size and pool size (`vllm:cache_config_info`) and, for
-        LoRA affinity, `vllm:lora_requests_info` (value: when it was last updated; this engine
-        serves no adapters, so max_lora is 0 and both lists are empty)."""
+        LoRA affinity, `vllm:lora_requests_info` (max_lora: the adapters one batch holds, 0 without
+        LoRA; the running and waiting requests' adapters, updated as they change)."""
         labels = {
             "block_size": str(block_size),
             "num_gpu_blocks": str(num_blocks),
@@ -237,13 +277,28 @@ class EngineMetrics:
                 list(labels),
                 registry=self.registry,
             ).labels(**labels).set(1)
-            lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
-            Gauge(
+            self._lora_info = Gauge(
                 "vllm:lora_requests_info",
                 "Running stats on LoRA requests.",
-                list(lora),
+                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
                 registry=self.registry,
-            ).labels(**lora).set_to_current_time()
+            )
+            self._max_lora = str(max_lora)
+            self._set_lora_info([], [])
+
+    def _set_lora_info(self, running: list[str], waiting: list[str]) -> None:
+        """One series (vLLM's labels: comma-separated adapter names), whose value is when its labels
+        last changed; the previous series goes, so a scrape never sees two (lock held)."""
+        labels = {
+            "max_lora": self._max_lora,
+            "running_lora_adapters": ",".join(running),
+            "waiting_lora_adapters": ",".join(waiting),
+        }
+        if labels == self._lora_labels or self._lora_info is None:
+            return
+        self._lora_info.clear()
+        self._lora_info.labels(**labels).set_to_current_time()
+        self._lora_labels = labels
 
     def render(self) -> bytes:
         """The Prometheus text exposition, consistent with whole `record` calls."""
@@ -280,6 +335,18 @@ class EngineMetrics:
         for forward, seconds in it.step_times:
             for m in self.step_seconds.child(forward=forward):
                 m.observe(seconds)
+        self._set_lora_info(sched.running_lora_adapters, sched.waiting_lora_adapters)
+        for f in it.finished:
+            if f.lora_name is not None:
+                self.lora_finished.inc(lora_name=f.lora_name, finished_reason=f.finish_reason)
+        for name, n in it.lora_prompt_tokens.items():
+            self.lora_prompt_tokens.inc(n, lora_name=name)
+        for name, n in it.lora_generation_tokens.items():
+            self.lora_generation_tokens.inc(n, lora_name=name)
+        self.lora_moves["slot_loads"].inc(it.lora_slot_loads)
+        self.lora_moves["slot_evictions"].inc(it.lora_slot_evictions)
+        self.lora_moves["host_evictions"].inc(it.lora_host_evictions)
+        self.lora_moves["disk_loads"].inc(it.lora_disk_loads)
         self.forward_compiled.set(1.0 if it.forward == "compiled" else 0.0)
         self.forward_compile_seconds.set(it.compile_seconds or 0.0)
         for pos, n in enumerate(it.accepted_per_position):

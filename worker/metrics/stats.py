@@ -13,6 +13,7 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    lora_name: str | None = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -43,6 +44,16 @@ class IterationStats:
     # load, or its load at start-up; None while it does not exist).
     forward: str = "eager"
     compile_seconds: float | None = None
+    # LoRA, per adapter name: prompt tokens of requests that produced their first token, and
+    # generated tokens (the base model's are not listed).
+    lora_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens: dict[str, int] = field(default_factory=dict)
+    # LoRA adapters moved since the last stats: host -> device slot copies, slots given to another
+    # adapter, adapters dropped from host memory, adapters read from their folders.
+    lora_slot_loads: int = 0
+    lora_slot_evictions: int = 0
+    lora_host_evictions: int = 0
+    lora_disk_loads: int = 0
 
 
 @dataclass
@@ -53,3 +64,6 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # LoRA: the adapters of the running and of the waiting requests, by name (vllm:lora_requests_info).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)

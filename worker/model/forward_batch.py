@@ -23,6 +23,7 @@ class SeqChunk:
     token_ids: list[int]
     start: int
     block_ids: list[int]
+    lora_slot: int = -1  # the LoRA adapter slot of its rows (-1: the base model alone)
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ForwardBatch:
     positions: torch.Tensor
     common: CommonAttentionMetadata
     query_start_loc: np.ndarray  # [rows + 1]: row r owns flat tokens [loc[r], loc[r + 1])
+    lora_slots: np.ndarray | None = None  # [tokens]: each flat token's adapter slot; None: no adapter
 
     def last_token_rows(self, num_last: list[int]) -> torch.Tensor:
         """Flat indices of the last num_last[i] tokens of chunk i, chunk by chunk in the caller's
@@ -80,6 +82,10 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
             positions.extend(pos.tolist())
             slots.extend((np.asarray(block_ids)[pos // block_size] * block_size + pos % block_size).tolist())
 
+    lora_slots = None
+    if any(c.lora_slot >= 0 for c in chunks):
+        per_row = np.asarray([chunks[i].lora_slot for i in order], dtype=np.int64)
+        lora_slots = np.repeat(per_row, np.diff(query_start_loc))
     common = CommonAttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_start_loc=torch.from_numpy(query_start_loc),
@@ -94,6 +100,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         common=common,
         query_start_loc=query_start_loc,
+        lora_slots=lora_slots,
     )
 
 
@@ -127,9 +134,11 @@ def forward_logits(
     device: torch.device,
     graphs=None,
     token_fill: TokenFill | None = None,
+    lora_table=None,
 ) -> torch.Tensor:
     """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
-    chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them."""
+    chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them. A step with
+    LoRA rows (chunks with a lora_slot, whose adapters are in `lora_table`'s slots) runs eagerly."""
     batch = build_forward_batch(chunks, block_size, device)
     if token_fill is not None:
         filled, tokens = token_fill
@@ -139,7 +148,10 @@ def forward_logits(
         batch.input_ids[batch.last_token_rows(last)] = tokens
     common = batch.common
     compiled = getattr(model, "compiled", None)  # read once: the whole step takes one forward
-    if graphs is not None and graphs.can_run(common):
+    if batch.lora_slots is not None:
+        lora = lora_table.batch(batch.lora_slots)
+        hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(common), lora)
+    elif graphs is not None and graphs.can_run(common):
         hidden = graphs.run(batch.input_ids, batch.positions, common)
     elif compiled is not None and in_graph_decode(common):
         # Decode-only on the compiled CPU forward: attention inside the graph. Two block columns at

@@ -134,6 +134,8 @@ class Attention(nn.Module):
         """The attention output, and this step's keys and values (for the caller to cache when
         step.decode is set: the in-graph decode path reads the cache but does not write it)."""
         qkv = self.qkv_proj(hidden)
+        if step.lora is not None:  # each row's adapter, added to the base projection (eager only)
+            step.lora.apply(qkv, hidden, self.layer_idx, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -149,26 +151,38 @@ class Attention(nn.Module):
             out = paged_decode_attention_unwritten(
                 q, k, v, k_cache, v_cache, d.block_tables, d.seq_lens, self.scale, self.sliding_window
             )
-        return self.o_proj(out.reshape(-1, self.q_size)), k, v  # reshape: a decode output may be strided
+        out = out.reshape(-1, self.q_size)  # reshape: a decode output may be strided
+        o = self.o_proj(out)
+        if step.lora is not None:
+            step.lora.apply(o, out, self.layer_idx, "o")
+        return o, k, v
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, layout: TPLayout, tp) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, layout: TPLayout, tp) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = size = layout.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, 2 * size, bias=spec.mlp_bias)
         self.down_proj = RowParallelLinear(size, spec.hidden_size, bias=spec.mlp_bias, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(gate_up, x, self.layer_idx, "gate_up")
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = nn.functional.silu(gate) * up
+        out = self.down_proj(h)
+        if lora is not None:
+            lora.apply(out, h, self.layer_idx, "down")
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int, layout: TPLayout, tp) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx, layout, tp)
-        self.mlp = MLP(spec, layout, tp)
+        self.mlp = MLP(spec, layer_idx, layout, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -179,7 +193,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden, k, v = self.self_attn(hidden, step)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual, (k, v)
+        return self.mlp(hidden, step.lora), residual, (k, v)
 
 
 @dataclass
@@ -201,6 +215,8 @@ class StepInputs:
     cos: torch.Tensor
     sin: torch.Tensor
     decode: DecodeInputs | None = None
+    # The step's LoRA rows (lora/slots.py LoRABatch); None: every row runs the base model alone.
+    lora: object | None = None
 
 
 class DecoderModel(nn.Module):
@@ -251,11 +267,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         attn_metadata: object,
+        lora=None,
     ) -> torch.Tensor:
         """Final hidden states of the flat batch. Attention reaches the backend, its plan and the
         caches through the forward context; the rest is a function of the tokens and positions only,
-        which `compiled` (model/compilation.py) may replace with its compiled version."""
+        which `compiled` (model/compilation.py) may replace with its compiled version. A step with
+        LoRA rows (`lora`) runs eagerly: the compiled graphs hold the base model alone."""
         with set_forward_context(backend, attn_metadata, kv_caches):
+            if lora is not None:
+                return self.forward_tokens(input_ids, positions, lora=lora)
             return (self.compiled or self.forward_tokens)(input_ids, positions)
 
     def forward_decode(
@@ -283,12 +303,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         decode: DecodeInputs | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora=None,
     ):
         """Hidden states; with `decode`, also each layer's new (keys, values), not yet cached.
         `rope`: the (cos, sin) tables, when not the model's own (the compiled packages take them as
-        inputs, so that max_model_len is not built into them)."""
+        inputs, so that max_model_len is not built into them). `lora`: the step's LoRA rows."""
         cos, sin = rope if rope is not None else (self.rope_cos, self.rope_sin)
-        step = StepInputs(positions, cos, sin, decode)
+        step = StepInputs(positions, cos, sin, decode, lora)
         hidden, residual, new_kv = self.model.embed_tokens(input_ids), None, []
         for layer in self.model.layers:
             hidden, residual, kv = layer(hidden, residual, step)

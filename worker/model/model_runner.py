@@ -18,6 +18,7 @@ from kvscale.worker.config import EngineArgs, fit_max_model_len
 from kvscale.worker.core.scheduler import SchedulerOutput
 from kvscale.worker.distributed.communication_op import gather_objects, min_over_ranks
 from kvscale.worker.distributed.step_broadcast import broadcast_step
+from kvscale.worker.lora.manager import LoRAManager
 from kvscale.worker.model.aot_package import (
     SHIPPED_DIR,
     PackageRefused,
@@ -173,6 +174,16 @@ class ModelRunner:
         )
         if self.draft is not None:
             self.draft.penalty_state = self.penalty_state
+        # LoRA adapters' device slots, allocated before the KV cache is sized (which counts them).
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            self.lora = LoRAManager(
+                self.spec, args.max_loras, args.max_lora_rank, args.max_cpu_loras, self.device, self.dtype
+            )
+            logger.info(
+                "LoRA: %d slots of rank %d (%.1f MiB), %d adapters in host memory",
+                args.max_loras, args.max_lora_rank, self.lora.table.nbytes / 2**20, args.max_cpu_loras,
+            )  # fmt: skip
         self.num_blocks = self._size_kv_cache(args)
         self.max_model_len = fit_max_model_len(
             self.max_model_len, self.num_blocks, self.block_size, explicit=args.max_model_len is not None
@@ -356,7 +367,7 @@ class ModelRunner:
         """This rank's share of one forward (None: logits live on rank 0)."""
         return forward_logits(
             self.model, self.backend, self.kv_caches, chunks, num_logits, self.block_size, self.device,
-            self.cuda_graphs, token_fill,
+            self.cuda_graphs, token_fill, self.lora.table if self.lora is not None else None,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -370,6 +381,9 @@ class ModelRunner:
         fill_chunks: list[int] = []  # chunks whose last token is pending (async scheduling)
         fill_rows: list[int] = []  # ... and its row in the previous launch's sampled tokens
         prompt_rows: list[int] = []  # prefill chunks whose every row's logits are wanted
+        lora_slots = [-1] * len(out.requests)  # each request's adapter slot (-1: the base model)
+        if self.lora is not None and any(r.lora_request is not None for r in out.requests):
+            lora_slots = self.lora.activate([r.lora_request for r in out.requests])
         for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
             drafts = out.spec_token_ids[i]
             start = out.num_computed_tokens[i]
@@ -379,7 +393,7 @@ class ModelRunner:
                 fill_chunks.append(i)
                 fill_rows.append(self._last_sampled_rows[request.request_id])
                 tokens.append(0)
-            chunks.append(SeqChunk(tokens + drafts, start, out.block_ids[i]))
+            chunks.append(SeqChunk(tokens + drafts, start, out.block_ids[i], lora_slots[i]))
             wants_prompt = request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
             if wants_prompt and not drafts:
                 prompt_rows.append(i)

@@ -26,6 +26,7 @@ from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.async_llm import AsyncLLM
 from kvscale.worker.executor.launcher import group_failure, on_group_failure
 from kvscale.worker.server.loop_watchdog import LoopWatchdog
+from kvscale.worker.server.lora_serving import LoRAServing, LoRAServingConfig
 from kvscale.worker.server.openai_serving import OpenAIServing, ServingConfig
 from kvscale.worker.server.protocol import APIError
 
@@ -48,6 +49,8 @@ class ServerConfig:
     # run longer than this (seconds; 0: never), so the kubelet restarts a worker whose engine thread
     # is stuck (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S).
     engine_iteration_timeout: float = 60.0
+    # LoRA adapters: --lora-modules, --lora-allowed-roots, --enable-lora-runtime-updating.
+    lora: LoRAServingConfig = field(default_factory=LoRAServingConfig)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ServerState:
     serving: OpenAIServing
     config: ServerConfig
     model_name: str
+    lora: LoRAServing | None = None
     draining: bool = False
     # serve()'s own start-up after the engine's (the prompt-size scan, the heap frozen): until it
     # is done, "loading", so that no request or probe meets it after /ready said yes.
@@ -187,7 +191,8 @@ async def models(request: web.Request) -> web.Response:
         "root": state.serving.config.model_path,
         "max_model_len": engine.max_model_len if engine is not None else None,
     }
-    return web.json_response({"object": "list", "data": [card]})
+    adapters = state.lora.cards(card) if state.lora is not None else []
+    return web.json_response({"object": "list", "data": [card, *adapters]})
 
 
 def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> web.Application:
@@ -203,6 +208,10 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
         ),
     )
     state = ServerState(llm, serving, config, model_name)
+    if engine_args.enable_lora:
+        state.lora = serving.lora = LoRAServing(llm, config.lora, (model_name, engine_args.model))
+    elif config.lora.modules or config.lora.runtime_updating:
+        raise ValueError("--lora-modules and --enable-lora-runtime-updating need --enable-lora")
     state.idle.set()
     app = web.Application(middlewares=[api_middleware], client_max_size=MAX_BODY_BYTES)
     app["state"] = state
@@ -212,6 +221,8 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
+    if state.lora is not None:
+        state.lora.add_routes(app)
     return app
 
 
@@ -260,6 +271,16 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         await runner.cleanup()
         watchdog.stop()
         return 1
+    if load.done() and state.lora is not None:
+        try:
+            await state.lora.load_modules()
+        except ValueError as e:
+            state.load_error = e
+            logger.error("LoRA adapters failed to load: %s", e)
+            await llm.shutdown()
+            await runner.cleanup()
+            watchdog.stop()
+            return 1
     if load.done():
         # Scans the vocabulary (128k entries for Llama 3): once, and off the event loop.
         await loop.run_in_executor(None, lambda: state.serving.max_prompt_bytes)

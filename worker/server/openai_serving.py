@@ -32,6 +32,7 @@ from kvscale.worker.engine.outputs import (
     add_delta,
     merge_completion,
 )
+from kvscale.worker.lora.request import LoRARequest
 from kvscale.worker.sample.logprobs import TokenLogprobs
 from kvscale.worker.sample.sampling_params import SamplingParams
 from kvscale.worker.server.protocol import (
@@ -201,6 +202,7 @@ class OpenAIServing:
         self._token_bytes: dict[int, bytes] = {}
         self._decoder_kinds: set[str] | None = None
         self._longest_token_bytes: int | None = None
+        self.lora = None  # LoRAServing (lora_serving.py) when the engine serves adapters
 
     @property
     def tokenizer(self):
@@ -231,9 +233,17 @@ class OpenAIServing:
         return body_limits(num_prompts, self.max_prompt_bytes, self.max_model_len)
 
     # -- shared checks -------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.config.served_model_name, self.config.model_path):
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model), or a 404."""
+        if name is None or name in (self.config.served_model_name, self.config.model_path):
+            return None
+        lora = self.lora.resolve(name) if self.lora is not None else None
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return lora
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        return self.config.served_model_name if lora is None else lora.lora_name
 
     def check_capacity(self, num_sequences: int, n: int) -> None:
         """429 while the queue is too full for the request's sequences (prompts x n), a 400 when it
@@ -377,12 +387,14 @@ class OpenAIServing:
         params: list[SamplingParams],
         request_id: str,
         grammar: GrammarHandle | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of all prompts of one API request as they come: (prompt index, output). The
-        prompts share one constraint, and `grammar` is its compile."""
+        prompts share one constraint, and `grammar` is its compile, and one adapter (`lora`)."""
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         gens = [
-            self.llm.generate(p, sp, rid, grammar) for p, sp, rid in zip(prompts, params, ids, strict=True)
+            self.llm.generate(p, sp, rid, grammar, lora)
+            for p, sp, rid in zip(prompts, params, ids, strict=True)
         ]
         if len(gens) == 1:
             async with contextlib.aclosing(gens[0]) as gen:
@@ -418,7 +430,7 @@ class OpenAIServing:
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body: CompletionRequest = await parse_body(request, CompletionRequest, self.body_limits(MAX_PROMPTS))
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         prompts = [await self.encode(p) for p in body.prompts()]
         max_tokens = [self.resolve_max_tokens(len(p), body.max_tokens, "prompt") for p in prompts]
         if not body.stream:
@@ -469,10 +481,10 @@ class OpenAIServing:
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.config.served_model_name,
+            "model": self.response_model(lora),
         }
         if not body.stream:
-            finals = await self._collect(self.run(prompts, params, request_id, grammar), len(prompts))
+            finals = await self._collect(self.run(prompts, params, request_id, grammar, lora), len(prompts))
             choices = [
                 choice(i, c, echo_text[i] + c.text, len(echo_text[i]), out)
                 for i, out in enumerate(finals)
@@ -501,7 +513,7 @@ class OpenAIServing:
             return choice(i, c, c.text, offset)
 
         return await self._stream(
-            request, request_id, prompts, params, body.include_usage, base, first_delta, delta, grammar
+            request, request_id, prompts, params, body.include_usage, base, first_delta, delta, grammar, lora
         )
 
     def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
@@ -557,7 +569,7 @@ class OpenAIServing:
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, self.body_limits(1))
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         messages = [m.template_message() for m in body.messages]
         self.check_prompt_size(sum(len(m["content"]) for m in messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -577,7 +589,7 @@ class OpenAIServing:
         grammar = await self.prepare_grammar(request, params, body.structured_outputs_param)
         self.check_capacity(body.n, body.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        base = {"id": request_id, "created": int(time.time()), "model": self.config.served_model_name}
+        base = {"id": request_id, "created": int(time.time()), "model": self.response_model(lora)}
 
         def logprobs(c: CompletionOutput) -> dict[str, Any] | None:
             if not body.logprobs or c.logprobs is None:
@@ -596,7 +608,7 @@ class OpenAIServing:
             )
 
         if not body.stream:
-            finals = await self._collect(self.run([prompt], [params], request_id, grammar), 1)
+            finals = await self._collect(self.run([prompt], [params], request_id, grammar, lora), 1)
             choices = []
             for c in finals[0].outputs:
                 msg, reason = message(c)
@@ -635,7 +647,16 @@ class OpenAIServing:
 
         chunk = {**base, "object": "chat.completion.chunk"}
         return await self._stream(
-            request, request_id, [prompt], [params], body.include_usage, chunk, first_delta, delta, grammar
+            request,
+            request_id,
+            [prompt],
+            [params],
+            body.include_usage,
+            chunk,
+            first_delta,
+            delta,
+            grammar,
+            lora,
         )
 
     def tool_call_extractor(self, body: ChatCompletionRequest) -> Callable[[], Extractor] | None:
@@ -696,6 +717,7 @@ class OpenAIServing:
         first_delta: Callable[[int, CompletionOutput, RequestOutput], dict[str, Any] | None],
         delta: Callable[[int, CompletionOutput], dict[str, Any]],
         grammar: GrammarHandle | None = None,
+        lora: LoRARequest | None = None,
     ) -> web.StreamResponse:
         """SSE: one `data:` event per step with each choice's delta (new text, its logprobs), then
         `data: [DONE]`."""
@@ -724,7 +746,7 @@ class OpenAIServing:
             await write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         try:
-            async for i, out in self.run(prompts, params, request_id, grammar):
+            async for i, out in self.run(prompts, params, request_id, grammar, lora):
                 firsts, choices = [], []
                 for c in out.outputs:
                     key = (i, c.index)
