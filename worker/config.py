@@ -74,7 +74,7 @@ class EngineArgs:
     # Tensor parallelism (docs/parallelism.md): tensor_parallel_size ranks in all, over nnodes hosts
     # of tensor_parallel_size / nnodes ranks each; this host is node_rank, node 0 (which runs the
     # scheduler and the API) hosts the rendezvous at master_addr:master_port.
-    # LoRA adapters (docs/engine.md#lora-adapters; vLLM's flags): up to max_loras adapters in one
+    # LoRA adapters (docs/lora.md; vLLM's flags): up to max_loras adapters in one
     # batch, resident in device slots at rank max_lora_rank (smaller ranks are zero-padded), and up
     # to max_cpu_loras (default max_loras) kept in host memory; beyond that they are read again.
     enable_lora: bool = False
@@ -137,6 +137,13 @@ class EngineArgs:
             )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served under tensor parallelism yet")
+        if self.enable_lora and self.speculative_method is not None:
+            # The draft model (or n-gram proposals) would guess the base model's tokens while the
+            # target verifies the adapter's: refused rather than served at a hidden cost.
+            raise ValueError(
+                "speculative decoding with LoRA adapters is not supported: use --enable-lora or "
+                f"--speculative-method {self.speculative_method}, not both"
+            )
 
     def _check_parallel(self) -> None:
         tp, nodes = self.tensor_parallel_size, self.nnodes

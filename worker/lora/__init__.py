@@ -1,1 +1,1 @@
-"""LoRA adapters over one base model, many in one batch (docs/engine.md#lora-adapters)."""
+"""LoRA adapters over one base model, many in one batch (docs/lora.md)."""
