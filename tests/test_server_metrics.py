@@ -467,13 +467,16 @@ def test_prometheus_scrapes_the_worker_under_load(target_model, tmp_path):
             (config,) = prometheus.query('vllm:cache_config_info{job="kvscale"}')
             assert config["metric"]["num_gpu_blocks"] == "64" and config["metric"]["block_size"] == "16"
 
-            # Every dashboard query is valid PromQL with series to draw (NaN for speculative decoding,
-            # which this worker does not run; its per-position series appear once it does).
+            # Every dashboard query is valid PromQL with series to draw, but two kinds: speculative
+            # decoding's per-position series and the per-adapter LoRA series, which appear with the
+            # first draft or the first adapter request (this worker runs neither). The adapter-free
+            # LoRA moves (slot loads, ...) are counters that exist from the start: they must draw.
             for query in dashboard_queries():
                 if not query.startswith("label_values"):
                     promql = query.replace("$model_name", ".+").replace("$__rate_interval", "5s")
                     result = prometheus.query(promql, at)
-                    assert result or "per_position" in promql, f"no data for {promql}"
+                    per_series = "per_position" in promql or "by (lora_name)" in promql
+                    assert result or per_series, f"no data for {promql}"
             # Over the whole load, as of `at`: a fixed [1m] window evaluated later saw no increase
             # (NaN) whenever the test ran slower than that on a loaded machine.
             window = f"{int(at - started) + 1}s"
