@@ -144,3 +144,28 @@ def test_a_compile_cache_the_worker_cannot_write_sends_its_build_to_its_own(
     with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
         assert builds_into(monkeypatch, target_model, blocked / "compiled", blocked / "home") is None
     assert "eager forward: the compile cache" in caplog.text
+
+
+def test_the_private_cache_is_searched_only_when_the_compile_cache_is_read_only(
+    target_model, tmp_path, monkeypatch
+):
+    """The private cache holds what a worker built while its compile cache was read-only: searched
+    then (a restarted container finds its own build), never beside a writable compile cache, where
+    a package left by other runs would stand in for the cache's (CI: ~/.cache/kvscale/compiled,
+    filled by earlier tests, made a worker given an empty compile cache start compiled)."""
+    searched = []
+
+    def spy(key, dirs, host_flags=None):
+        searched.append(dirs)
+        return None
+
+    monkeypatch.setattr(model_runner, "find_package", spy)
+    private = tmp_path / "home" / ".cache" / "kvscale" / "compiled"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    builds_into(monkeypatch, target_model, tmp_path / "cache", tmp_path / "home")
+    builds_into(monkeypatch, target_model, blocked / "compiled", tmp_path / "home")
+    assert searched == [
+        [tmp_path / "cache", model_runner.SHIPPED_DIR],
+        [blocked / "compiled", private, model_runner.SHIPPED_DIR],
+    ]

@@ -217,8 +217,13 @@ class ModelRunner:
             return
         cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
         private = private_cache_dir()
+        problem = unwritable(cache_dir)
         key = artefact_key(self.spec, self.dtype, self.block_size)
-        folder = find_package(key, list(dict.fromkeys([cache_dir, private, SHIPPED_DIR])))
+        # The private cache is where this worker builds when the compile cache is read-only, so it
+        # is searched only then (a container restarted in the same pod finds its own build): with
+        # a writable cache, a package left there by other runs must not stand in for the cache's.
+        searched = [cache_dir, *([private] if problem is not None else []), SHIPPED_DIR]
+        folder = find_package(key, list(dict.fromkeys(searched)))
         if folder is not None:
             started = time.monotonic()
             try:
@@ -234,7 +239,6 @@ class ModelRunner:
                 self.switched_at = time.monotonic()
                 logger.info("loaded the compiled forward from %s in %.2f s", folder, self.compile_seconds)
                 return
-        problem = unwritable(cache_dir)
         if problem is not None:
             # A compile cache mounted read-only (filled beforehand) without this CPU's package.
             if private == cache_dir or unwritable(private) is not None:
