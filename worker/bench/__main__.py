@@ -13,6 +13,7 @@ from kvscale.worker.bench import (
     hostile,
     load,
     longout,
+    lora,
     peer,
     route,
     serve,
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     hostile.add_parser(sub, [common])
     load.add_parser(sub, [common])
     coldstart.add_parser(sub, [common])
+    lora.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
