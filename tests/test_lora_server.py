@@ -8,7 +8,9 @@ shapes, a bad name, a duplicate) is a 400 in OpenAI's error shape that leaves th
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
 import threading
 import time
 import urllib.error
@@ -62,6 +64,16 @@ def folders(target_model, tmp_path_factory) -> dict[str, Path]:
     config["target_modules"] = ["embed_tokens", "q_proj"]
     (embed / "adapter_config.json").write_text(json.dumps(config))
     found["embed"] = embed
+    # Huge: a 64 GiB sparse weights file (refused by its size, before a byte is read), and a
+    # safetensors header that claims 1 TiB of JSON.
+    for name, make in {
+        "huge": lambda f: os.truncate(f, 64 * 2**30),
+        "header-bomb": lambda f: f.write_bytes(struct.pack("<Q", 2**40) + b"{}"),
+    }.items():
+        shutil.copytree(found["sql"], allowed / name)
+        weights = allowed / name / "adapter_model.safetensors"
+        make(weights)
+        found[name] = allowed / name
     (allowed / "escape").symlink_to(found["outside"], target_is_directory=True)
     found["escape"] = allowed / "escape"
     return found
@@ -177,6 +189,8 @@ def test_load_and_unload_at_run_time(lora_server, lora_client, folders, referenc
         ("big", "rank64", "above --max-lora-rank 16"),
         ("embed", "embed", "not supported"),
         ("draft", "other-model", "has shape"),
+        ("huge", "huge", "more than the"),
+        ("bomb", "header-bomb", "not a safetensors file this size"),
         ("missing", "/nonexistent/adapter", "outside the allowed roots"),
         ("a,b", "doc", "not allowed"),
         ("sql", "doc", "already been loaded"),
