@@ -194,10 +194,22 @@ def test_workers_accept_their_router_and_the_operator_and_refuse_other_pods(
             interval=1,
             what="the autoscaler to scale the idle resource to zero (its scrapes read every pod)",
         )
-        cr = client.CustomObjectsApi(operator.api).get_namespaced_custom_object(
-            "kvscale.dev", "v1alpha1", ns, "inferencedeployments", name
+        custom = client.CustomObjectsApi(operator.api)
+
+        def last_decision() -> dict | None:
+            cr = custom.get_namespaced_custom_object(
+                "kvscale.dev", "v1alpha1", ns, "inferencedeployments", name
+            )
+            decisions = ((cr.get("status") or {}).get("autoscaling") or {}).get("lastDecisions") or []
+            return decisions[-1] if decisions else None
+
+        # The decision reaches status after the scale itself (one tick's report, a write later).
+        last = wait_for(
+            lambda: (d := last_decision()) is not None and d["toReplicas"] == 0 and d,
+            timeout=60,
+            interval=1,
+            what="the scale-to-zero decision in status",
         )
-        last = cr["status"]["autoscaling"]["lastDecisions"][-1]
         assert last["toReplicas"] == 0 and "idle" in last["reason"], last
     finally:
         operator.kubectl("delete", "namespace", other, "--wait=false", check=False)
