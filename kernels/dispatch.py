@@ -74,14 +74,15 @@ def add_lora(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    token_slots: torch.Tensor,
+    lora_b_bd: torch.Tensor | None,
+    rows: lora.StepRows,
     slices: list[tuple[int, int]],
-    segments: lora.Segments | None = None,
+    targeted=lambda slot: True,
 ) -> torch.Tensor:
-    """Each row's LoRA product added into `out` (kernels/lora.py). On the CPU the reference runs
-    per adapter segment (`segments`, computed once per step); on CUDA, Triton's per-row gather."""
+    """Each row's LoRA product added into `out` (kernels/lora.py): on the CPU the way the step's
+    rows were planned (lora.plan_rows, once per step); on CUDA, Triton's per-row gather."""
     if _use_triton(x):
         from kvscale.kernels import triton_lora
 
-        return triton_lora.add_lora(out, x, lora_a, lora_b, token_slots, slices)
-    return lora.add_lora(out, x, lora_a, lora_b, token_slots, slices, segments)
+        return triton_lora.add_lora(out, x, lora_a, lora_b, rows.token_slots, slices)
+    return lora.add_lora_step(out, x, lora_a, lora_b, lora_b_bd, rows, slices, targeted)

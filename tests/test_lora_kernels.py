@@ -93,3 +93,65 @@ def test_padded_rank_is_exact():
     x = torch.randn(5, 16, generator=g)
     out = lora.add_lora(torch.zeros(5, 12), x, a, b, torch.zeros(5, dtype=torch.int64), [(0, 12)])
     torch.testing.assert_close(out, x @ a3.T @ b3.T)
+
+
+PACKED_CASES = [
+    ("qkv-mixed", QKV, [0, 2, -1, 1, 0, 2, 2, -1, 3]),
+    ("gap-in-the-slot-range", QKV, [1, 3, 3, -1, 1]),  # slot 2 absent: all padding
+    ("uneven-groups", [(0, 20), (20, 20)], [0, 0, 0, 1, 2, 2, 0, 1]),
+]
+
+
+@pytest.mark.parametrize("name,slices,slots", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
+def test_packed_matches_row_by_row_and_leaves_base_rows_alone(name, slices, slots):
+    """The CPU's one-bmm-for-all-adapters path: the same sums as the definition; rows without an
+    adapter (and row 0, where padding lands) get exactly what they should."""
+    a, b = tables(4, 8, 48, slices, torch.float32, seed=7)
+    token_slots = torch.tensor(slots, dtype=torch.int64)
+    packed = lora.pack_rows(token_slots.numpy())
+    assert packed is not None
+    x = torch.randn(len(slots), 48)
+    base = torch.randn(len(slots), sum(s for _, s in slices))
+    got = lora.add_lora_packed(base.clone(), x, a, lora.block_diagonal(b, slices), packed)
+    torch.testing.assert_close(got, row_by_row(base, x, a, b, token_slots, slices), **TOL[torch.float32])
+    untouched = token_slots < 0
+    assert torch.equal(got[untouched], base[untouched])
+
+
+@pytest.mark.parametrize("name,slices,slots", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
+def test_runs_match_row_by_row_and_leave_base_rows_alone(name, slices, slots):
+    """The CPU's runs path (each run of rows a view, addmm_ in place): the same sums."""
+    a, b = tables(4, 8, 48, slices, torch.float32, seed=9)
+    token_slots = torch.tensor(slots, dtype=torch.int64)
+    x = torch.randn(len(slots), 48)
+    base = torch.randn(len(slots), sum(s for _, s in slices))
+    got = lora.add_lora_runs(base.clone(), x, a, b, lora.runs_of(token_slots.numpy()), slices)
+    torch.testing.assert_close(got, row_by_row(base, x, a, b, token_slots, slices), **TOL[torch.float32])
+    assert torch.equal(got[token_slots < 0], base[token_slots < 0])
+
+
+def test_each_step_picks_its_way():
+    """Prefill chunks (few long runs) run as views, a decode batch mixing adapters is packed, one
+    adapter on every row is one matmul pair, and a long chunk beside one short row falls back."""
+    import numpy as np
+
+    cpu = torch.device("cpu")
+    prefill = lora.plan_rows(np.repeat([0, 3, 1, -1], [120, 200, 90, 50]), cpu)
+    assert prefill.runs == [(0, 0, 120), (3, 120, 320), (1, 320, 410)] and prefill.packed is None
+    decode = lora.plan_rows(np.arange(64) % 8, cpu)
+    assert decode.runs is None and decode.packed is not None and decode.packed.length == 8
+    single = lora.plan_rows(np.full(10, 2), cpu)
+    assert single.segments == [(2, None)] and single.runs is None and single.packed is None
+    mixed = lora.plan_rows(np.concatenate([np.zeros(600, dtype=np.int64), np.arange(40) % 8]), cpu)
+    assert mixed.runs is not None  # 640 rows in 40 runs (the first decode row extends the chunk's run)
+
+
+def test_packing_is_declined_where_it_would_not_pay():
+    import numpy as np
+
+    assert lora.pack_rows(np.array([-1, -1])) is None  # no adapter rows
+    assert lora.pack_rows(np.array([2, 2, 2, -1])) is None  # one adapter: one matmul pair does it
+    # A 512-row prefill chunk of slot 0 beside one decode row of slot 1: padding would double the work.
+    assert lora.pack_rows(np.array([0] * 512 + [1])) is None
+    assert lora.pack_rows(np.array([0, 1] * 32)).length == 32
+    assert lora.pack_rows(np.array([0] * 40 + [1])).length == 40  # 39 padded rows: still pays

@@ -5,8 +5,9 @@
 sized, so that it is counted). Writing an adapter into a slot zeroes what its previous tenant left
 and copies the new one in, padded to the table's rank with zeros (exact: padding adds zeros).
 
-`LoRABatch`: a step's per-token slot indices and the rows of each adapter present (computed once
-per step, read by every layer), applied after each projection: `out += x @ A[slot].T @ B[slot].T`.
+`LoRABatch`: a step's per-token slot indices, the rows of each adapter present and how they run
+(kernels/lora.plan_rows: computed once per step, read by every layer), applied after each
+projection: `out += x @ A[slot].T @ B[slot].T`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from kvscale.kernels.dispatch import add_lora
-from kvscale.kernels.lora import Segments
+from kvscale.kernels.lora import StepRows, block_diagonal, plan_rows
 from kvscale.worker.lora.adapter import LoRAAdapter, projection_shapes
 
 
@@ -44,51 +45,64 @@ class LoRASlotTable:
                     for p, s in self.shapes.items()
                 }
             )
+        # On the CPU, B also block-diagonal (kernels/lora.block_diagonal), for the packed path's
+        # single expand per projection: n_slices x B's memory, rank-sized (a few % of the model).
+        self.b_bd: list[dict[str, torch.Tensor]] | None = None
+        if device.type == "cpu":
+            self.b_bd = [
+                {
+                    p: torch.zeros(max_loras, len(s.slices) * max_rank, s.out_features, dtype=dtype)
+                    for p, s in self.shapes.items()
+                }
+                for _ in range(spec.num_layers)
+            ]
         # Per slot: the (layer, projection) pairs its adapter targets (the others stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values())
+        tables = (*self.a, *self.b, *(self.b_bd or ()))
+        return sum(t.numel() * t.element_size() for layer in tables for t in layer.values())
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, projection in self.targets[slot]:
             self.a[layer][projection][slot].zero_()
             self.b[layer][projection][slot].zero_()
+            if self.b_bd is not None:
+                self.b_bd[layer][projection][slot].zero_()
         rank, non_blocking = adapter.rank, self.device.type == "cuda"
         for (layer, projection), (a, b) in adapter.weights.items():
-            slices = len(self.shapes[projection].slices)
+            shape = self.shapes[projection]
+            slices = len(shape.slices)
             dst = self.a[layer][projection][slot].view(slices, self.rank, -1)
             dst[:, :rank].copy_(a.view(slices, rank, -1), non_blocking=non_blocking)
             self.b[layer][projection][slot][:, :rank].copy_(b, non_blocking=non_blocking)
+            if self.b_bd is not None:
+                table = self.b[layer][projection][slot : slot + 1]
+                self.b_bd[layer][projection][slot] = block_diagonal(table, list(shape.slices))[0]
         self.targets[slot] = frozenset(adapter.weights)
 
     def batch(self, token_slots: np.ndarray) -> LoRABatch:
         """A step's view: token_slots[t] is row t's slot (-1: the base model alone)."""
-        slots = torch.from_numpy(token_slots).to(self.device)
-        present = np.unique(token_slots[token_slots >= 0]).tolist()
-        if len(present) == 1 and (token_slots == present[0]).all():
-            segments: Segments = [(present[0], None)]
-        else:
-            segments = [
-                (s, torch.from_numpy(np.flatnonzero(token_slots == s)).to(self.device)) for s in present
-            ]
-        return LoRABatch(self, slots, segments)
+        return LoRABatch(self, plan_rows(token_slots, self.device))
 
 
 @dataclass
 class LoRABatch:
     table: LoRASlotTable
-    token_slots: torch.Tensor  # [T] on the device
-    segments: Segments  # the rows of each slot present
+    rows: StepRows  # the rows of each slot present, and how they run (kernels/lora.plan_rows)
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
         """Add the LoRA products of `projection` in `layer` into its output, in place."""
-        targets = self.table.targets
-        segments = [(s, rows) for s, rows in self.segments if (layer, projection) in targets[s]]
-        if not segments:
+        t = self.table
+
+        def targeted(slot: int) -> bool:
+            return (layer, projection) in t.targets[slot]
+
+        if not any(targeted(slot) for slot, _ in self.rows.segments):
             return
         add_lora(
-            out, x, self.table.a[layer][projection], self.table.b[layer][projection], self.token_slots,
-            list(self.table.shapes[projection].slices), segments,
+            out, x, t.a[layer][projection], t.b[layer][projection],
+            t.b_bd[layer][projection] if t.b_bd is not None else None,
+            self.rows, list(t.shapes[projection].slices), targeted,
         )  # fmt: skip
