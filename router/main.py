@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-weight", type=float, default=3.0)
     p.add_argument("--kv-weight", type=float, default=2.0)
     p.add_argument("--queue-weight", type=float, default=2.0)
+    p.add_argument(
+        "--lora-weight",
+        type=float,
+        default=20.0,
+        help="adapter affinity: resident 1, an empty slot 0.75, an idle adapter's slot 0.5 (keep a "
+        "quarter of it over kv + queue weights)",
+    )
     p.add_argument("--load-factor", type=float, default=1.25, help="c of the bounded-load guard (>= 1)")
     p.add_argument(
         "--max-waiting", type=int, default=32, help="an endpoint with this many waiting takes no more"
@@ -133,7 +140,7 @@ def _namespace(flag: str | None) -> str:
 
 def build_router(args: argparse.Namespace) -> Router:
     picker = PickerConfig(
-        weights=Weights(args.prefix_weight, args.kv_weight, args.queue_weight),
+        weights=Weights(args.prefix_weight, args.kv_weight, args.queue_weight, args.lora_weight),
         load_factor=args.load_factor,
         max_waiting=args.max_waiting,
         max_kv_usage=args.max_kv_usage,

@@ -16,6 +16,19 @@ Filter, guard, score, pick:
    (sent since that scrape). As llm-d's queue-scorer, it counts waiting, not running, requests: a
    worker batching more requests is not slower to start one more until it queues them, so a busier
    home keeps its prefixes (the guard bounds how much busier).
+   lora (llm-d's lora-affinity scorer idea), only for a request that names a LoRA adapter: 1 where
+   the adapter is resident (in a device slot: it runs at once, no copy), 0.75 where a slot is
+   empty (copied in, evicting nothing), 0.5 where a slot holds only an idle adapter (copied in,
+   evicting that one: another worker would rather keep it), 0 where every slot holds an adapter
+   with requests (it waits there for one to drain). A base-model request scores 0 everywhere: no
+   effect. The weight, 20, makes the gap between two tiers (a quarter of it: 5) outweigh any kv
+   and queue difference (at most 2 + 2): among the endpoints under the bound an adapter goes where
+   it is resident, else where it evicts nothing, else where it evicts an idle one, and kv/queue
+   choose within a tier (a prefix match, hashed per adapter name, can still tip it: it is where
+   the adapter ran lately). Without the empty tier, two adapters alternating on two one-slot
+   workers could both prefer the same worker and evict each other at every request. Steps 1 and 2
+   are not scores, so no weight overrides them: a hot adapter's holders at the bound spill to the
+   next tier, which then loads it (the adapter spreads as its traffic grows).
 4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
    that equal endpoints split new prefixes between them deterministically, then by name.
 """
@@ -34,6 +47,7 @@ class Weights:
     prefix: float = 3.0
     kv: float = 2.0
     queue: float = 2.0
+    lora: float = 20.0  # / 4 > kv + queue: an adapter's tier beats any kv/queue difference
 
 
 @dataclass(frozen=True)
@@ -52,10 +66,21 @@ class Candidate:
     running: int = 0  # scraped
     in_flight: int = 0  # the router's own requests there now
     prefix_match: int = 0  # leading blocks of this request its index holds
+    # The request's LoRA adapter (all False for a base-model request): in a device slot there; or
+    # not, but a slot is empty, or held by an idle adapter it may evict (scraped).
+    has_adapter: bool = False
+    adapter_empty: bool = False
+    adapter_room: bool = False
 
     @property
     def queued(self) -> int:
         return max(self.waiting, self.in_flight - self.running)
+
+
+def adapter_affinity(c: Candidate) -> float:
+    """The lora score: 1 resident, 0.75 an empty slot, 0.5 an idle adapter's slot, 0 none (and for
+    a base-model request)."""
+    return 1.0 if c.has_adapter else 0.75 if c.adapter_empty else 0.5 if c.adapter_room else 0.0
 
 
 def can_take(c: Candidate, config: PickerConfig) -> bool:
@@ -92,7 +117,8 @@ def pick(
     def score(c: Candidate) -> float:
         prefix = c.prefix_match / num_blocks if num_blocks else 0.0
         queue = 1.0 - (c.queued - lo) / (hi - lo) if hi > lo else 1.0
-        return w.prefix * prefix + w.kv * (1.0 - min(1.0, max(0.0, c.kv_usage))) + w.queue * queue
+        kv = 1.0 - min(1.0, max(0.0, c.kv_usage))
+        return w.prefix * prefix + w.kv * kv + w.queue * queue + w.lora * adapter_affinity(c)
 
     best = max(able, key=lambda c: (score(c), _tie_break(first_block, c.name), c.name))
     return best.name

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+R = TypeVar("R")  # what `choose` reads of a request (the router's: its prefix hashes and model)
 
 
 class QueueFull(Exception):
@@ -34,17 +37,17 @@ class QueueTimeout(Exception):
 
 
 @dataclass(eq=False)
-class Waiter:
+class Waiter(Generic[R]):
     key: str  # whose turn it is: the fairness key
-    hashes: Sequence[int]
+    request: R
     label: str = ""  # what the queued gauge counts it under (the model)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-class FlowControl:
+class FlowControl(Generic[R]):
     def __init__(
         self,
-        choose: Callable[[Sequence[int]], str | None],
+        choose: Callable[[R], str | None],
         release: Callable[[str], None],
         max_queued: int = 256,
         timeout_s: float = 60.0,
@@ -55,7 +58,7 @@ class FlowControl:
         self.max_queued, self.timeout_s = max_queued, timeout_s
         self.max_per_key = max_queued if max_per_key is None else max_per_key
         self._on_change = on_change or (lambda label, delta: None)
-        self._queues: OrderedDict[str, deque[Waiter]] = OrderedDict()  # keys in round-robin order
+        self._queues: OrderedDict[str, deque[Waiter[R]]] = OrderedDict()  # keys in round-robin order
         self._size = 0
 
     def __len__(self) -> int:
@@ -64,19 +67,19 @@ class FlowControl:
     def queued(self, key: str) -> int:
         return len(self._queues.get(key, ()))
 
-    async def acquire(self, key: str, hashes: Sequence[int], label: str | None = None) -> str:
+    async def acquire(self, key: str, request: R, label: str | None = None) -> str:
         """An endpoint for the request of client `key`, counted in flight there (the caller
         releases it), at once when one can take it and nobody waits, else after waiting its turn.
         `label` (default: the key) is what `on_change` reports."""
         if self._size == 0:
-            endpoint = self._choose(hashes)
+            endpoint = self._choose(request)
             if endpoint is not None:
                 return endpoint
         if self._size >= self.max_queued:
             raise QueueFull
         if self.queued(key) >= self.max_per_key:
             raise ClientQueueFull
-        waiter = Waiter(key, hashes, key if label is None else label)
+        waiter = Waiter(key, request, key if label is None else label)
         self._queues.setdefault(key, deque()).append(waiter)
         self._size += 1
         self._on_change(waiter.label, 1)
@@ -98,7 +101,7 @@ class FlowControl:
         finally:
             self._leave(waiter)
 
-    def _leave(self, waiter: Waiter) -> None:
+    def _leave(self, waiter: Waiter[R]) -> None:
         q = self._queues.get(waiter.key)
         if q is not None and waiter in q:
             q.remove(waiter)
@@ -113,7 +116,7 @@ class FlowControl:
         while self._queues:
             key, q = next(iter(self._queues.items()))
             waiter = q[0]
-            endpoint = self._choose(waiter.hashes)
+            endpoint = self._choose(waiter.request)
             if endpoint is None:
                 break
             q.popleft()

@@ -2,7 +2,10 @@
 
 Only the families the router reads are parsed: the rest of the exposition (histograms, mostly) is
 dropped line by line first, so a scrape costs the event loop a few hundred lines, not thousands.
-Sums over label sets (a worker serves one model, so there is one of each). A body past
+Sums over label sets (a worker serves one model, so there is one of each); the base model's
+served name is their model_name label. LoRA: the adapters in device slots
+(`kvscale_lora_adapter_resident`) and the slots (`vllm:lora_requests_info`: max_lora, and the
+adapters with running or waiting requests, which hold theirs). A body past
 `max_bytes` (1 MiB; a worker's is ~20 KiB) is never read whole: the endpoint counts as a failed
 scrape (capped_body.py says why every scrape of a pod is capped).
 """
@@ -31,7 +34,9 @@ FAMILIES = {
     "vllm:prefix_cache_hits": "prefix_hits",
     "kvscale_kv_cache_blocks": "kv_blocks",
 }
-_PREFIXES = tuple(FAMILIES)
+RESIDENT = "kvscale_lora_adapter_resident"  # ours: one series per adapter in a device slot
+LORA_INFO = "vllm:lora_requests_info"  # vLLM's: one series (the latest by value) with lists in labels
+_PREFIXES = (*FAMILIES, RESIDENT, LORA_INFO)
 MAX_BYTES = 1 << 20
 
 
@@ -44,16 +49,41 @@ def _wanted(line: str) -> bool:
     return line.startswith(_PREFIXES)
 
 
+def _names(labels: dict[str, str], key: str) -> frozenset[str]:
+    """A comma-separated list label of vllm:lora_requests_info, as a set."""
+    return frozenset(n for n in labels.get(key, "").split(",") if n)
+
+
+def _max_lora(labels: dict[str, str]) -> int:
+    try:
+        return max(0, int(labels.get("max_lora", "0")))
+    except ValueError:
+        return 0
+
+
 def parse_metrics(text: str) -> WorkerMetrics:
     kept = "\n".join(line for line in text.splitlines() if _wanted(line)) + "\n"
     values: dict[str, float] = {}
+    served = ""
+    resident: set[str] = set()
+    info: dict[str, str] = {}
+    info_time = float("-inf")
     for family in text_string_to_metric_families(kept):
-        field = FAMILIES.get(family.name)
-        if field is None:
-            continue
-        for sample in family.samples:
-            if sample.name in (family.name, family.name + "_total"):
+        samples = [s for s in family.samples if s.name in (family.name, family.name + "_total")]
+        if family.name == RESIDENT:
+            resident.update(s.labels.get("lora_name", "") for s in samples if s.value > 0)
+        elif family.name == LORA_INFO:
+            for sample in samples:  # vLLM may keep old series: the latest (its value is a time) wins
+                if sample.value > info_time:
+                    info, info_time = sample.labels, sample.value
+        elif (field := FAMILIES.get(family.name)) is not None:
+            for sample in samples:
                 values[field] = values.get(field, 0.0) + sample.value
+                served = served or sample.labels.get("model_name", "")
+    running = _names(info, "running_lora_adapters")
+    # An adapter with requests holds its slot; an idle resident one gives it up on demand.
+    busy = running | _names(info, "waiting_lora_adapters")
+    max_lora = _max_lora(info)
     return WorkerMetrics(
         kv_usage=values.get("kv_usage", 0.0),
         waiting=int(values.get("waiting", 0)),
@@ -61,6 +91,11 @@ def parse_metrics(text: str) -> WorkerMetrics:
         prefix_queries=values.get("prefix_queries", 0.0),
         prefix_hits=values.get("prefix_hits", 0.0),
         kv_blocks=int(values.get("kv_blocks", 0)),
+        served_model=served,
+        max_lora=max_lora,
+        # A running adapter is in a slot too: all a vLLM worker, without our gauge, tells of them.
+        adapters=frozenset(resident | running),
+        lora_free_slots=max(0, max_lora - len(busy)),
     )
 
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -40,7 +41,7 @@ from kvscale.router.prefix_index import (
 )
 from kvscale.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
 from kvscale.router.scrape import Scraper
-from kvscale.router.state import RouterState, WorkerMetrics
+from kvscale.router.state import PickRequest, RouterState, WorkerMetrics
 from kvscale.router.wake import Waker
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,13 @@ class RouterMetrics:
             "kvscale_router_retries",
             "Requests moved to another endpoint before their first byte, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.adapter_picks = Counter(
+            "kvscale_router_adapter_picks",
+            "Endpoints picked for LoRA adapter requests, by adapter and what the endpoint had: "
+            "resident (the adapter in a device slot), room (a slot free for it), none.",
+            ["model", "affinity"],
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -203,8 +211,8 @@ class Router:
         self.config = c = config or RouterConfig()
         self.metrics = RouterMetrics(self)
         per_client = c.max_queued_per_client
-        self.flow = FlowControl(
-            state.choose,
+        self.flow: FlowControl[PickRequest] = FlowControl(
+            self._choose,
             self._release,
             max_queued=c.max_queued,
             timeout_s=c.queue_timeout_s,
@@ -227,6 +235,15 @@ class Router:
     def on_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
         self.state.update_metrics(endpoint, m)
         self.flow.dispatch()
+
+    def _choose(self, req: PickRequest, exclude: Iterable[str] = ()) -> str | None:
+        """The state's pick (counted in flight there), and, for an adapter, what it found there."""
+        endpoint = self.state.choose(req.hashes, exclude, req.model)
+        if endpoint is not None and req.model is not None:
+            affinity = self.state.affinity(endpoint, req.model)
+            if affinity is not None:  # the model's label was taken (bounded) when it arrived
+                self.metrics.adapter_picks.labels(self.metrics.model(req.model), affinity).inc()
+        return endpoint
 
     def _release(self, endpoint: str) -> None:
         self.state.release(endpoint)
@@ -320,7 +337,7 @@ class Router:
             return _error(e)
         label = self.metrics.model(model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, hashes, stream, client)
+        resp = await self._route(request, body, label, PickRequest(hashes, model), stream, client)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
@@ -333,13 +350,13 @@ class Router:
             self.waker.wake()  # no worker ready: ask for one (single-flight)
 
     async def _acquire(
-        self, request: web.Request, label: str, hashes: list[int], stream: bool, client: str = ""
+        self, request: web.Request, label: str, pick: PickRequest, stream: bool, client: str = ""
     ):
         """(an endpoint from flow control, the stream's response if waiting started it). While the
         request waits: asks for a worker when none is ready, and a stream gets an SSE comment
         every heartbeat_s (its 200 and headers go with the first)."""
         self._wake()
-        acquire = asyncio.ensure_future(self.flow.acquire(client or label, hashes, label))
+        acquire = asyncio.ensure_future(self.flow.acquire(client or label, pick, label))
         early: web.StreamResponse | None = None
         try:
             while True:
@@ -368,7 +385,7 @@ class Router:
         request: web.Request,
         body: bytes,
         label: str,
-        hashes: list[int],
+        pick: PickRequest,
         stream: bool = False,
         client: str = "",
     ) -> web.StreamResponse:
@@ -377,7 +394,7 @@ class Router:
         queued_at = time.monotonic()
         early: web.StreamResponse | None = None
         try:
-            endpoint, early = await self._acquire(request, label, hashes, stream, client)
+            endpoint, early = await self._acquire(request, label, pick, stream, client)
         except ClientQueueFull:
             return self._refuse(
                 label,
@@ -437,7 +454,7 @@ class Router:
                 return outcome
             reason, answer = outcome
             last = answer or last
-            endpoint = self._next(hashes, tried)
+            endpoint = self._next(pick, tried)
             if endpoint is not None:
                 self.metrics.retries.labels(reason).inc()
         if last is not None:  # every endpoint tried said 429/503: the last one's answer, as it was
@@ -500,11 +517,11 @@ class Router:
             return await self._stream_into(request, upstream, early)
         return await self._stream(request, upstream)
 
-    def _next(self, hashes: list[int], tried: list[str]) -> str | None:
+    def _next(self, pick: PickRequest, tried: list[str]) -> str | None:
         """Another endpoint for a retry (never one tried already; a retry does not queue)."""
         if len(tried) > self.config.max_retries:
             return None
-        return self.state.choose(hashes, exclude=tried)
+        return self._choose(pick, exclude=tried)
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         """The worker's answer to the client as it arrives: status, headers, then each chunk."""

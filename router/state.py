@@ -13,6 +13,14 @@ from kvscale.router.prefix_index import PrefixIndex
 POLICIES = ("kv-prefix", "round-robin")
 
 
+@dataclass(frozen=True)
+class PickRequest:
+    """What a pick reads of a request: its prefix-block hashes and the model it names."""
+
+    hashes: Sequence[int]
+    model: str | None = None
+
+
 @dataclass
 class WorkerMetrics:
     """The few values the router reads from a worker's /metrics (scrape.parse_metrics)."""
@@ -23,6 +31,12 @@ class WorkerMetrics:
     prefix_queries: float = 0.0  # prompt tokens looked up in its prefix cache, since it started
     prefix_hits: float = 0.0
     kv_blocks: int = 0
+    served_model: str = ""  # its metrics' model_name label: the name its base model is served as
+    max_lora: int = 0  # its LoRA device slots (0: no LoRA)
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters in its device slots now
+    # Slots a request for another adapter can take at once: those not held by an adapter with
+    # requests there (running or waiting); an idle resident adapter gives its slot up on demand.
+    lora_free_slots: int = 0
 
 
 class RouterState:
@@ -56,10 +70,30 @@ class RouterState:
         self.index.set_capacity(endpoint, m.kv_blocks)
         self.metrics[endpoint] = m
 
-    def candidates(self, hashes: Sequence[int]) -> list[Candidate]:
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model. The workers say
+        both halves of the rule in their metrics: a name none of them serves its base model as
+        (their model_name label), while some have LoRA slots, is an adapter (vLLM's convention; a
+        name no worker knows gets their 404, wherever it goes). Before the first scrape nothing is
+        known: every request is the base model's (no affinity, as before)."""
+        scraped = self.metrics.values()
+        if not model or not any(m.max_lora > 0 for m in scraped):
+            return None
+        return None if any(m.served_model == model for m in scraped) else model
+
+    def _lora(self, endpoint: str, adapter: str | None) -> tuple[bool, bool, bool]:
+        """(has the adapter, has an empty slot, has a slot free for it) there; all False for the
+        base model."""
+        if adapter is None:
+            return False, False, False
+        m = self.metrics.get(endpoint) or WorkerMetrics()
+        return adapter in m.adapters, m.max_lora > len(m.adapters), m.lora_free_slots > 0
+
+    def candidates(self, hashes: Sequence[int], adapter: str | None = None) -> list[Candidate]:
         out = []
         for name in sorted(self.endpoints):
             m = self.metrics.get(name) or WorkerMetrics()
+            has_adapter, adapter_empty, adapter_room = self._lora(name, adapter)
             out.append(
                 Candidate(
                     name,
@@ -68,15 +102,31 @@ class RouterState:
                     running=m.running,
                     in_flight=self.in_flight.get(name, 0),
                     prefix_match=self.index.match_length(name, hashes),
+                    has_adapter=has_adapter,
+                    adapter_empty=adapter_empty,
+                    adapter_room=adapter_room,
                 )
             )
         return out
 
-    def choose(self, hashes: Sequence[int], exclude: Iterable[str] = ()) -> str | None:
-        """The endpoint for a request with these block hashes (not one of `exclude`: those a retry
-        already tried), counted in flight there and its blocks recorded; None: nobody can take it."""
+    def affinity(self, endpoint: str, model: str | None) -> str | None:
+        """What a request for `model` found at `endpoint`: "resident" (its adapter in a slot),
+        "empty" (an empty slot), "room" (an idle adapter's slot), "none"; None for a base-model
+        request."""
+        adapter = self.adapter_of(model)
+        if adapter is None:
+            return None
+        has, empty, room = self._lora(endpoint, adapter)
+        return "resident" if has else "empty" if empty else "room" if room else "none"
+
+    def choose(
+        self, hashes: Sequence[int], exclude: Iterable[str] = (), model: str | None = None
+    ) -> str | None:
+        """The endpoint for a request with these block hashes naming `model` (not one of `exclude`:
+        those a retry already tried), counted in flight there and its blocks recorded; None: nobody
+        can take it."""
         skip = set(exclude)
-        cands = [c for c in self.candidates(hashes) if c.name not in skip]
+        cands = [c for c in self.candidates(hashes, self.adapter_of(model)) if c.name not in skip]
         if self.policy == "round-robin":
             chosen = pick_round_robin(cands, self._turn, self.config)
             self._turn += 1

@@ -1,17 +1,20 @@
 """LoRA adapters in the engine beyond PEFT parity (issue 30): more adapters than device slots and
 host copies (LRU eviction, read again from disk) with every adapter's tokens unchanged, a prefix
-cache that never serves one adapter's KV to another's request (or to the base model's), and
-speculative decoding refused with adapters (the draft would guess the base model's tokens)."""
+cache that never serves one adapter's KV to another's request (or to the base model's), the
+resident-adapter gauge the router's affinity reads following the slots, and speculative decoding
+refused with adapters (the draft would guess the base model's tokens)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_lora_peft_parity import ATTENTION, MLP, make_adapter
 
 from kvscale.worker import LLM, LoRARequest, SamplingParams
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.metrics.prometheus import EngineMetrics
 
 pytest.importorskip("peft")
 
@@ -87,6 +90,44 @@ def test_the_prefix_cache_keys_by_adapter(target_model, adapters):
         texts(fresh.generate([PROMPT], params, lora_request=adapters.get(n)))[0] for n in ["a", None, "b"]
     ]
     assert answers[3] == answers[0] and answers[4] == answers[1]
+
+
+def test_the_resident_gauge_follows_the_device_slots(target_model, adapters):
+    """kvscale_lora_adapter_resident, fed as the server feeds it (the engine's take_stats into
+    EngineMetrics.record), has one series at 1 per adapter in a device slot and none for the rest:
+    two slots, three adapters; the least recently used one leaves its slot for the third (still in
+    host memory, known, but not resident), a base-model request moves nothing, and an unloaded
+    adapter's series goes at once, even while a request still runs on it in its slot."""
+    llm = engine(target_model, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
+    metrics = EngineMetrics("tiny")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def resident_after(*names: str | None) -> dict[str, float]:
+        for name in names:
+            llm.generate([PROMPT], params, lora_request=adapters.get(name))
+        e = llm.engine
+        metrics.record(e.take_stats(), e.scheduler.stats(), e.kv_cache_manager.num_blocks)
+        page = text_string_to_metric_families(metrics.render().decode())
+        samples = [s for f in page if f.name == "kvscale_lora_adapter_resident" for s in f.samples]
+        return {s.labels["lora_name"]: s.value for s in samples}
+
+    assert resident_after() == {}
+    assert resident_after("a", "b") == {"a": 1, "b": 1}
+    assert resident_after("c") == {"b": 1, "c": 1}  # a, least recently used, left its slot
+    assert llm.engine.runner.lora.is_loaded(adapters["a"].lora_int_id)  # known, in host memory
+    assert resident_after(None) == {"b": 1, "c": 1}
+    assert llm.engine.remove_lora(adapters["b"].lora_int_id)
+    assert resident_after() == {"c": 1}
+    # Unloaded while a request runs on it: it keeps its slot until that request ends, but takes no
+    # new one, so it is no longer listed (the router would send it requests that get a 404).
+    e, c = llm.engine, adapters["c"]
+    e.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), lora_request=c)
+    e.step()
+    assert e.remove_lora(c.lora_int_id)
+    assert resident_after() == {} and e.runner.lora.resident() == [c.lora_int_id]
+    while e.has_unfinished_requests():
+        e.step()
+    assert resident_after() == {} and e.runner.lora.resident() == []
 
 
 @pytest.mark.parametrize("spec", [{"speculative_method": "ngram"}, {"draft_model": "unused-path"}])

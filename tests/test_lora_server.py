@@ -1,9 +1,10 @@
 """LoRA adapters at the HTTP edge (issue 30), on the real server through the real `openai` client:
 `--lora-modules`, the request's `model` picking the adapter, `/v1/models` with `parent`, vLLM's
-load/unload endpoints behind their flag and the API key, `vllm:lora_requests_info` and the
-per-adapter metrics; and the attack surface: every bad adapter a client can name (outside the
-allowed roots, through a symlink, rank above the max, wrong target modules, another model's
-shapes, a bad name, a duplicate) is a 400 in OpenAI's error shape that leaves the server serving."""
+load/unload endpoints behind their flag and the API key, `vllm:lora_requests_info`, the
+per-adapter metrics and the resident-adapter gauge (an unloaded adapter leaves it while idle);
+and the attack surface: every bad adapter a client can name (outside the allowed roots, through a
+symlink, rank above the max, wrong target modules, another model's shapes, a bad name, a
+duplicate) is a 400 in OpenAI's error shape that leaves the server serving."""
 
 from __future__ import annotations
 
@@ -172,8 +173,16 @@ def test_load_and_unload_at_run_time(lora_server, lora_client, folders, referenc
     status, error = post(lora_server, "/v1/load_lora_adapter", body)
     assert status == 400 and "already been loaded" in error["error"]["message"], error
 
+    assert "doc" in resident(lora_server)
     status, text = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "doc"})
     assert status == 200, text
+    # Gone from the resident gauge while the server idles (no step follows the unload), so the
+    # router's adapter affinity does not keep sending doc here.
+    deadline = time.monotonic() + 10
+    while "doc" in resident(lora_server):
+        assert time.monotonic() < deadline, "the unloaded adapter still shows as resident"
+        time.sleep(0.02)  # a poll interval
+    assert "sql" in resident(lora_server)
     with pytest.raises(openai.NotFoundError):
         complete(lora_client, "doc")
     status, error = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "doc"})
@@ -342,6 +351,12 @@ def test_four_adapters_in_two_slots_loaded_and_unloaded_while_others_stream(
 def running(server) -> str:
     (info,) = metrics(server)["vllm:lora_requests_info"].samples
     return info.labels["running_lora_adapters"]
+
+
+def resident(server) -> set[str]:
+    """The adapters kvscale_lora_adapter_resident lists (in a device slot now)."""
+    family = metrics(server).get("kvscale_lora_adapter_resident")
+    return {s.labels["lora_name"] for s in (family.samples if family else []) if s.value == 1}
 
 
 def counter(families: dict, name: str) -> float:

@@ -1,4 +1,6 @@
-"""The router's picking function, prefix index and state (kvscale.router): pure, no I/O."""
+"""The router's picking function, prefix index and state (kvscale.router): pure, no I/O. Adapter
+affinity too: a LoRA adapter's request goes where it is resident, else where a slot is free, never
+past the load bound, and a base-model request is not moved by adapters at all."""
 
 from __future__ import annotations
 
@@ -281,6 +283,109 @@ def test_a_restarted_worker_forgets_its_prefixes_and_its_pool_bounds_the_index()
     s.choose(_hashes(SYSTEM), exclude=[x for x in ENDPOINTS if x != e])
     s.update_metrics(e, WorkerMetrics(prefix_queries=6, prefix_hits=0, kv_blocks=4))
     assert s.index.size(e) == 4
+
+
+# -- LoRA adapter affinity ---------------------------------------------------------------------------
+def lora_worker(**kw) -> WorkerMetrics:
+    """A scraped worker serving base model "tiny" with two LoRA slots (unless told)."""
+    return WorkerMetrics(served_model="tiny", **{"max_lora": 2, **kw})
+
+
+def test_two_adapters_taking_turns_on_two_one_slot_workers_each_keep_a_worker():
+    """An empty slot beats an idle adapter's: whichever worker the hash would favour for both, the
+    second adapter goes to the empty one, and from then on each is resident where it went (no
+    eviction at every request, as when an idle adapter's slot counted as free as an empty one)."""
+    for turn in range(16):  # prefixes vary the tie-break
+        s = state(*ENDPOINTS[:2])
+        for e in ENDPOINTS[:2]:
+            s.update_metrics(e, lora_worker(max_lora=1, lora_free_slots=1))
+        holder: dict[str, str] = {}
+        for i in range(6):
+            model = ("sql", "doc")[i % 2]
+            e = s.choose(_hashes(f"{turn} {model} prompt " * 20), model=model)
+            if i >= 2:
+                assert e == holder[model] and s.affinity(e, model) == "resident"
+            holder.setdefault(model, e)
+            s.release(e)
+            s.update_metrics(e, lora_worker(max_lora=1, lora_free_slots=1, adapters=frozenset({model})))
+        assert holder["sql"] != holder["doc"]
+
+
+def test_an_adapters_holder_wins_over_any_kv_and_queue_difference():
+    # The holder at the worst kv usage and queue an endpoint can have and still take requests; the
+    # others at the best. Affinity decides; kv and queue only order endpoints of one tier.
+    holder = Candidate("holder", kv_usage=0.94, waiting=31, in_flight=1, has_adapter=True)
+    room = Candidate("room", in_flight=1, adapter_room=True)
+    none = Candidate("none", in_flight=1)
+    assert pick([holder, room, none], 4) == "holder"
+    worst_room = Candidate("room", kv_usage=0.94, waiting=31, in_flight=1, adapter_room=True)
+    assert pick([worst_room, none], 4) == "room"  # a free slot beats none, where it would wait
+    fuller = Candidate("fuller", kv_usage=0.5, in_flight=1, adapter_room=True)
+    assert pick([room, fuller], 4) == "room"  # within a tier, kv and queue decide
+
+
+def test_which_model_names_an_adapter():
+    s = state()
+    assert s.adapter_of("sql") is None  # nothing scraped: no affinity, as before
+    s.update_metrics(ENDPOINTS[0], WorkerMetrics(served_model="tiny"))
+    assert s.adapter_of("sql") is None  # no worker has LoRA slots (a 404 wherever it goes)
+    s.update_metrics(ENDPOINTS[1], lora_worker())
+    assert s.adapter_of("sql") == "sql"
+    assert s.adapter_of("tiny") is None  # the base model's served name
+
+
+def test_an_adapter_goes_where_it_is_resident_and_spills_to_a_free_slot_past_the_bound():
+    s = state()
+    holder, room, full = ENDPOINTS
+    s.update_metrics(holder, lora_worker(adapters=frozenset({"sql"}), lora_free_slots=1))
+    s.update_metrics(room, lora_worker(lora_free_slots=2, kv_usage=0.5))
+    s.update_metrics(full, lora_worker(adapters=frozenset({"a", "b"}), lora_free_slots=0))
+    hot = _hashes(SYSTEM)
+    for _ in range(5):  # one at a time: always the holder, whatever the others' kv usage
+        e = s.choose(hot, model="sql")
+        assert e == holder and s.affinity(e, "sql") == "resident"
+        s.release(e)
+    # Seven at once: the holder takes up to the bound (ceil(1.25 x k / 3) after k), the spill goes
+    # to the free slot first (it loads the adapter there), and to `full` only when both are at it.
+    picks = [s.choose(hot, model="sql") for _ in range(7)]
+    assert picks == [holder, room, holder, room, holder, room, full]
+    assert [s.affinity(e, "sql") for e in (holder, room, full)] == ["resident", "empty", "none"]
+
+
+def test_a_base_model_request_is_not_moved_by_adapters_or_slots():
+    """Where each base-model request goes without LoRA, it goes with every other endpoint holding
+    adapters, free slots, even an adapter named like the base model: it names no adapter."""
+    for i in range(12):
+        hashes = _hashes(f"conversation {i}: " + "q" * 200)
+        plain = state()
+        for e in ENDPOINTS:
+            plain.update_metrics(e, WorkerMetrics(served_model="tiny"))
+        where = plain.choose(hashes, model="tiny")
+        lora = state()
+        for e in ENDPOINTS:
+            held = frozenset() if e == where else frozenset({"tiny", "sql"})
+            lora.update_metrics(e, lora_worker(adapters=held, lora_free_slots=0 if e == where else 2))
+        assert lora.choose(hashes, model="tiny") == where
+        assert lora.affinity(where, "tiny") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**12)), max_size=80),
+    st.integers(1, 5),
+    st.sampled_from([1.0, 1.25, 2.0]),
+)
+def test_adapter_affinity_never_loads_an_endpoint_past_the_bound(seq, n, c):
+    names = [f"http://e{i}" for i in range(n)]
+    s = RouterState(PickerConfig(load_factor=c))
+    s.set_endpoints(names)
+    models = ["tiny", "sql", "doc", "w3"]
+    for k, (m, seed) in enumerate(seq, start=1):
+        for i, name in enumerate(names):  # arbitrary adapters and slots
+            held = frozenset(a for j, a in enumerate(models[1:]) if (seed >> (3 * i + j)) & 1)
+            s.update_metrics(name, lora_worker(adapters=held, lora_free_slots=(seed + i) % 3))
+        s.choose(_hashes(f"prefix {m} " * 30), model=models[m])
+        assert max(s.in_flight.values()) <= math.ceil(c * k / n)
 
 
 def test_round_robin_cycles_over_those_that_can_take():

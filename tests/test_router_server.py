@@ -18,6 +18,7 @@ from kvscale.router.picker import PickerConfig
 from kvscale.router.server import Router, RouterConfig, build_app
 from kvscale.router.state import RouterState
 from kvscale.worker.metrics.prometheus import EngineMetrics
+from kvscale.worker.metrics.stats import IterationStats, SchedulerStats
 
 SSE = [
     b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"def"}]}\n\n',
@@ -36,10 +37,20 @@ def run(coro):
 class StandInWorker:
     """A stand-in for a kvscale worker (tests only): `behavior` is ok (streams SSE), 503 (refuses
     before any body byte, as a draining worker does), or partial (one chunk, then the connection
-    drops). /metrics renders a real EngineMetrics with the given waiting count."""
+    drops). /metrics renders a real EngineMetrics with the given waiting count and KV usage, and
+    LoRA slots: `max_lora` of them, `adapters` in them, `running_adapters` with requests."""
 
-    def __init__(self, behavior: str = "ok", waiting: int = 0, kv: float = 0.0) -> None:
+    def __init__(
+        self,
+        behavior: str = "ok",
+        waiting: int = 0,
+        kv: float = 0.0,
+        max_lora: int = 0,
+        adapters: tuple[str, ...] = (),
+        running_adapters: tuple[str, ...] = (),
+    ) -> None:
         self.behavior, self.waiting, self.kv = behavior, waiting, kv
+        self.max_lora, self.adapters, self.running_adapters = max_lora, adapters, running_adapters
         self.received: list[bytes] = []
         self.gate: asyncio.Event | None = None  # when set: the last chunk waits for it
         self.cancelled = 0
@@ -73,10 +84,15 @@ class StandInWorker:
 
     async def metrics(self, request: web.Request) -> web.Response:
         m = EngineMetrics("tiny")
-        m.num_waiting.set(self.waiting)
-        m.kv_cache_usage.set(self.kv)
-        m.kv_cache_blocks.set(512)
+        m.cache_config(block_size=16, num_blocks=512, enable_prefix_caching=True, max_lora=self.max_lora)
+        sched = SchedulerStats(
+            0, self.waiting, self.kv, 0, 0, 0, running_lora_adapters=list(self.running_adapters)
+        )
+        m.record(IterationStats(lora_resident=list(self.adapters)), sched, num_blocks=512)
         return web.Response(body=m.render(), content_type="text/plain")
+
+    def models_received(self) -> list[str]:
+        return [json.loads(body)["model"] for body in self.received]
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
@@ -439,6 +455,58 @@ def test_bad_bodies_get_4xx_in_openai_shape_and_do_not_stall_others():
             except aiohttp.ClientError:
                 pass  # the router may close the connection on an upload it refused halfway
             assert len(w.received) == 1
+
+    run(main())
+
+
+# -- LoRA adapter affinity -------------------------------------------------------------------------
+def test_adapter_requests_go_where_the_adapter_is_and_spread_past_the_load_bound():
+    """Three stand-ins serving base model "tiny" with two LoRA slots each: `holder` has adapter sql
+    in one, `room` a free one (and a fuller KV cache), `full` both slots busy with other adapters'
+    requests. One at a time, sql's requests all go to the holder; seven at once (held open), the
+    holder takes up to the load bound and the spill goes to the empty slot before `full`. The
+    router's /metrics counts each pick by what the endpoint had."""
+
+    async def main():
+        holder = StandInWorker(max_lora=2, adapters=("sql",))
+        room = StandInWorker(max_lora=2, kv=0.5)
+        full = StandInWorker(max_lora=2, adapters=("a", "b"), running_adapters=("a", "b"))
+        stand_ins = (holder, room, full)
+        sql = {**BODY, "model": "sql"}
+        async with workers(*stand_ins) as urls, router(urls) as (r, url), aiohttp.ClientSession() as s:
+            await until(
+                lambda: (
+                    scraped(r, *urls, served_model="tiny", max_lora=2)
+                    and scraped(r, holder.url, adapters={"sql"})
+                ),
+                "the scrape of the adapters",
+            )
+            for body in (sql, sql, sql, BODY):  # and one for the base model: no adapter pick
+                async with s.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            assert [w.models_received().count("sql") for w in stand_ins] == [3, 0, 0]
+
+            for w in stand_ins:
+                w.behavior, w.gate = "hold", asyncio.Event()
+            tasks = [asyncio.create_task(s.post(url + "/v1/completions", json=sql)) for _ in range(7)]
+            await until(
+                lambda: sum(w.models_received().count("sql") for w in stand_ins) == 10,
+                "the seven requests to reach the stand-ins",
+            )
+            assert [w.models_received().count("sql") for w in stand_ins] == [3 + 3, 3, 1]
+            for w in stand_ins:
+                w.gate.set()
+            for task in tasks:
+                resp = await task
+                assert resp.status == 200 and await resp.read() == b"".join(SSE)
+
+            page = await _get(url)
+            assert 'kvscale_router_adapter_picks_total{affinity="resident",model="sql"} 6.0' in page
+            assert 'kvscale_router_adapter_picks_total{affinity="empty",model="sql"} 3.0' in page
+            assert 'kvscale_router_adapter_picks_total{affinity="none",model="sql"} 1.0' in page
+            picks = [line for line in page.splitlines() if line.startswith("kvscale_router_adapter_picks")]
+            assert not [line for line in picks if 'model="tiny"' in line]  # the base model's: none
 
     run(main())
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from kvscale.router.endpoints import StaticEndpoints, apply_event, endpoints_from_slices
 from kvscale.router.scrape import Scraper, parse_metrics
 from kvscale.worker.metrics.prometheus import EngineMetrics
+from kvscale.worker.metrics.stats import IterationStats, SchedulerStats
 
 
 def eps(*items):
@@ -93,6 +94,40 @@ def test_parse_reads_the_workers_own_exposition():
     assert got.kv_usage == pytest.approx(0.42)
     assert (got.waiting, got.running, got.kv_blocks) == (3, 5, 128)
     assert (got.prefix_queries, got.prefix_hits) == (900, 300)
+
+
+def test_parse_reads_the_lora_slots_from_the_workers_own_exposition():
+    """What the engine publishes (EngineMetrics.record, as the server runs it): the adapters in
+    device slots, the served name, and the slots an adapter can take at once."""
+    m = EngineMetrics("tiny-code-target")
+    m.cache_config(block_size=16, num_blocks=64, enable_prefix_caching=True, max_lora=4)
+    sched = SchedulerStats(1, 1, 0.1, 0, 0, 0, running_lora_adapters=["sql"], waiting_lora_adapters=["w3"])
+    m.record(IterationStats(lora_resident=["doc", "sql"]), sched, num_blocks=64)
+    got = parse_metrics(m.render().decode())
+    assert got.served_model == "tiny-code-target"
+    assert got.max_lora == 4 and got.adapters == {"doc", "sql"}
+    assert got.lora_free_slots == 2  # sql runs and w3 waits: theirs; doc is idle: its slot is free
+    m.record(IterationStats(lora_resident=["sql", "w3"]), SchedulerStats(0, 0, 0.0, 0, 0, 0), 64)
+    got = parse_metrics(m.render().decode())
+    assert got.adapters == {"sql", "w3"} and got.lora_free_slots == 4  # doc left its slot; all idle
+    plain = EngineMetrics("tiny")
+    plain.cache_config(block_size=16, num_blocks=64, enable_prefix_caching=True)
+    got = parse_metrics(plain.render().decode())
+    assert (got.served_model, got.max_lora, got.lora_free_slots, got.adapters) == ("tiny", 0, 0, frozenset())
+
+
+def test_parse_takes_the_latest_of_vllms_lora_info_series():
+    """vLLM keeps a series per label set its lora info ever had, valued by when it was set: the
+    latest is the state (hand-written, vLLM's shape); its running adapters are in slots too."""
+    page = (
+        "# HELP vllm:lora_requests_info Running stats on LoRA requests.\n"
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters=""} 1.8e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="c",waiting_lora_adapters=""} 1.9e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="d",waiting_lora_adapters="e"} 1.7e9\n'
+    )
+    got = parse_metrics(page)
+    assert got.adapters == {"c"} and (got.max_lora, got.lora_free_slots) == (2, 1)
 
 
 def test_parse_of_an_empty_or_foreign_page_is_zeros():

@@ -104,6 +104,7 @@ def iteration() -> IterationStats:
         accepted_per_position=[3, 1, 0],
         lora_prompt_tokens={"a": 7},
         lora_generation_tokens={"a": 5},
+        lora_resident=["a"],
     )
 
 
@@ -145,6 +146,8 @@ def test_record_moves_metrics_by_exactly_the_iteration_stats():
     for (name, labels), want in expected.items():
         assert math.isclose(value(samples, name, **dict(labels)), want), name
     assert_twins_agree(samples)
+    # A state, not a counter: adapter a was resident after the first two steps, not after the last.
+    assert not [n for n, _ in samples if n == "kvscale_lora_adapter_resident"]
 
 
 def test_structured_output_metrics_move_by_the_iteration_stats():

@@ -157,6 +157,12 @@ class AsyncLLM:
                     "the engine thread did not stop; exiting without it", extra={"timeout_s": timeout}
                 )
 
+    def publish_metrics_soon(self) -> None:
+        """Have the engine thread publish its metrics now, idle or not (it does after each step and
+        when it goes idle): a change made between steps, an adapter unloaded out of its slot, then
+        shows within one pass instead of at the next request."""
+        self._wake.set()
+
     @property
     def stalled_since(self) -> float | None:
         """Since when the engine thread has owed progress (None: it owes none): the start of its

@@ -674,6 +674,7 @@ class LLMEngine:
             stats.lora_host_evictions = now.host_evictions - seen.host_evictions
             stats.lora_disk_loads = now.disk_loads - seen.disk_loads
             self._seen_lora = dataclasses.replace(now)
+            stats.lora_resident = runner.lora.resident_names()
         stats.forward = runner.forward_kind
         stats.compile_seconds = runner.compiler_seconds or runner.compile_seconds
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)

@@ -196,6 +196,14 @@ class LoRAManager:
         """The adapter ids in device slots now."""
         return [rid for rid in self._slot_ids if rid is not None]
 
+    def resident_names(self) -> list[str]:
+        """The names of the adapters in device slots now that new requests may name (the metrics'
+        kvscale_lora_adapter_resident, which the router's affinity reads). One being unloaded keeps
+        its slot until its last request ends, but it takes no new request: not listed."""
+        with self._lock:
+            known = [self._known.get(rid) for rid in self._slot_ids if rid is not None]
+            return sorted(k.request.lora_name for k in known if k is not None and not k.removed)
+
     # -- device slots (the engine thread) --------------------------------------------------------
     def activate(self, requests: list[LoRARequest | None]) -> list[int]:
         """Each request's slot for this step (-1: no adapter), loading the step's adapters into

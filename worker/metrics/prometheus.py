@@ -56,6 +56,12 @@ class _Twin:
             for m in self.child(**extra):
                 m.inc(value)
 
+    def remove(self, **extra: str) -> None:
+        """Drop one labelled series (a state that ended: it must not linger at its last value)."""
+        values = [*self.labels.values(), *extra.values()]
+        for m in self.metrics:
+            m.remove(*values)
+
     def observe_all(self, values: Iterable[float]) -> None:
         children = self.child()
         for v in values:
@@ -247,6 +253,17 @@ class EngineMetrics:
                 ("disk_loads", "LoRA adapters read from their folders."),
             )
         }
+        # One series per adapter in a device slot now, gone when it leaves the slot (so at most
+        # --max-loras at once; names are bounded as every lora_name label, lora_serving.py). The
+        # router's adapter affinity reads it: vllm:lora_requests_info lists only the adapters with
+        # requests, not those still resident from earlier ones.
+        self.lora_resident = twin(
+            Gauge,
+            ["kvscale_lora_adapter_resident"],
+            "1 for each LoRA adapter in a device slot now (its series goes when it leaves the slot).",
+            extra_labels=("lora_name",),
+        )
+        self._resident: frozenset[str] = frozenset()
         self._lora_info: Gauge | None = None
         self._lora_labels: dict[str, str] | None = None
         self._max_lora = "0"
@@ -300,6 +317,16 @@ class EngineMetrics:
         self._lora_info.labels(**labels).set_to_current_time()
         self._lora_labels = labels
 
+    def _set_resident(self, names: Iterable[str]) -> None:
+        """The resident adapters' series: one at 1 per adapter in a slot now (lock held)."""
+        now = frozenset(names)
+        for name in self._resident - now:
+            self.lora_resident.remove(lora_name=name)
+        for name in now - self._resident:
+            for m in self.lora_resident.child(lora_name=name):
+                m.set(1)
+        self._resident = now
+
     def render(self) -> bytes:
         """The Prometheus text exposition, consistent with whole `record` calls."""
         with self._lock:
@@ -347,6 +374,7 @@ class EngineMetrics:
         self.lora_moves["slot_evictions"].inc(it.lora_slot_evictions)
         self.lora_moves["host_evictions"].inc(it.lora_host_evictions)
         self.lora_moves["disk_loads"].inc(it.lora_disk_loads)
+        self._set_resident(it.lora_resident)
         self.forward_compiled.set(1.0 if it.forward == "compiled" else 0.0)
         self.forward_compile_seconds.set(it.compile_seconds or 0.0)
         for pos, n in enumerate(it.accepted_per_position):

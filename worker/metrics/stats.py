@@ -54,6 +54,9 @@ class IterationStats:
     lora_slot_evictions: int = 0
     lora_host_evictions: int = 0
     lora_disk_loads: int = 0
+    # The adapters in a device slot now (a state, not an event: kvscale_lora_adapter_resident, what
+    # the router's adapter affinity reads); empty without LoRA.
+    lora_resident: list[str] = field(default_factory=list)
 
 
 @dataclass

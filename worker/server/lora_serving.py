@@ -143,6 +143,7 @@ class LoRAServing:
             engine = self.llm.engine
             assert engine is not None
             engine.remove_lora(request.lora_int_id)  # requests already running on it finish on it
+            self.llm.publish_metrics_soon()  # no longer resident for the router, even while idle
 
     async def load_modules(self) -> None:
         """--lora-modules, at start-up (a bad one fails the start, with its reason)."""
