@@ -25,6 +25,7 @@ from typing import Any
 import kopf
 from kubernetes.client.rest import ApiException
 
+from kvscale.operator.adapters.sync import AdapterSync
 from kvscale.operator.api.groupversion import GROUP, PLURAL, VERSION
 from kvscale.operator.api.labels import CHILD_SELECTOR
 from kvscale.operator.autoscaler.scaler import Scaler
@@ -50,9 +51,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 class Handlers:
     """kopf's side of the reconciler and the autoscaler: one method per handler."""
 
-    def __init__(self, reconciler: Reconciler, scaler: Scaler) -> None:
+    def __init__(self, reconciler: Reconciler, scaler: Scaler, adapters: AdapterSync | None = None) -> None:
         self.reconciler = reconciler
         self.scaler = scaler
+        self.adapters = adapters
         self._resync: asyncio.Task | None = None
 
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -122,8 +124,10 @@ class Handlers:
         self.reconciler.pod_changed(dict(body), type)
 
     async def track(self, body: kopf.Body, type: str | None, **_: Any) -> None:
-        """Start, update or stop the resource's autoscaler task."""
+        """Start, update or stop the resource's autoscaler task and its adapter sync."""
         await self.scaler.track(dict(body), type)
+        if self.adapters is not None:
+            await self.adapters.track(dict(body), type)
 
     async def start_resync(self, **_: Any) -> None:
         """The resync and the retries run in kopf's loop, so only while kopf runs: on the leader."""

@@ -179,6 +179,7 @@ def build(settings: Settings, api) -> tuple:
     handler, the reconciler, the autoscaler)."""
     import kopf
 
+    from kvscale.operator.adapters.sync import AdapterSync
     from kvscale.operator.autoscaler.scaler import Scaler
     from kvscale.operator.handlers import Handlers
     from kvscale.operator.kube.client import Kube
@@ -186,7 +187,9 @@ def build(settings: Settings, api) -> tuple:
 
     kube = Kube(api, settings.watch_namespaces)
     reconciler, scaler = Reconciler(kube, settings), Scaler(kube)
-    return Handlers(reconciler, scaler).register(kopf.OperatorRegistry()), reconciler, scaler
+    adapters = AdapterSync(kube, scaler.pods, scaler.owners)
+    scaler.also_stop.append(adapters.stop_all)
+    return Handlers(reconciler, scaler, adapters).register(kopf.OperatorRegistry()), reconciler, scaler
 
 
 def cmd_run(args: argparse.Namespace) -> int:

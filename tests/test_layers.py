@@ -54,6 +54,7 @@ STACKS: dict[str, list[tuple[str, ...]]] = {
         ("kvscale.operator.kube",),
         ("kvscale.operator.reconcile",),
         ("kvscale.operator.autoscaler",),
+        ("kvscale.operator.adapters",),  # reads the autoscaler's pod cache and pod states
         ("kvscale.operator.handlers", "kvscale.operator.health", "kvscale.operator.main", "kvscale.operator"),
     ],
     # The router: pure picking and bookkeeping, its view of the endpoints, its I/O, the server.

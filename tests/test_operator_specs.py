@@ -257,6 +257,27 @@ BAD_SPECS = [
     (spec_of(replicas=0, autoscaling={"maxReplicas": 2}), "leave replicas out"),
     (spec_of(speculative={"method": "draft"}), "method draft needs draftModelUri"),
     (spec_of(autoscaling={"minReplicas": 3, "maxReplicas": 2}), "minReplicas must not exceed"),
+    # LoRA adapters (operator/api/lora.py): what the worker would refuse in a crash loop.
+    (
+        spec_of(adapters=[{"name": "a", "uri": "/a"}], speculative={"method": "ngram"}),
+        "cannot be combined with speculative decoding",
+    ),
+    (spec_of(adapters=[{"name": "a", "uri": "/a"}], parallelism={"tensor": 2}), "tensor parallelism 1"),
+    (spec_of(adapters=[{"name": "a", "uri": "/a"}], resources={"gpus": 2}), "tensor parallelism 1"),
+    (
+        spec_of(
+            adapters=[{"name": "a", "uri": "/a"}], lora={"dynamicLoading": True}, server={"apiKeySecret": "k"}
+        ),
+        "not supported with server.apiKeySecret",
+    ),
+    (spec_of(lora={"maxLoras": 8, "maxCpuLoras": 4}), "maxCpuLoras must be at least maxLoras"),
+    (spec_of(adapters=[{"name": "a", "uri": "builtin://tiny-llama"}]), "not builtin://"),
+    (spec_of(adapters=[{"name": "a,b", "uri": "/a"}]), "should match"),
+    (spec_of(adapters=[{"name": "a", "uri": "pvc://adapters/../x"}]), "must not contain '..' path segments"),
+    (
+        spec_of(adapters=[{"name": "a", "uri": "/a"}, {"name": "a", "uri": "/b"}]),
+        "Duplicate value|unique",
+    ),
 ]
 
 
@@ -327,6 +348,14 @@ GOOD_SPECS = [
     spec_of(parallelism={"tensor": 2, "nodes": 2}),
     spec_of(parallelism={"tensor": 16, "nodes": 2}, resources={"gpus": 8}),
     spec_of(parallelism={"tensor": 4, "nodes": 2}, autoscaling={"minReplicas": 1, "maxReplicas": 4}),
+    spec_of(
+        adapters=[
+            {"name": "sql", "uri": "pvc://adapters/sql"},
+            {"name": "org/chat@v2", "uri": "hf://org/chat@v2"},
+        ],
+        lora={"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 8, "dynamicLoading": True},
+        resources={"gpus": 1},
+    ),
 ]
 
 

@@ -5,6 +5,7 @@ from kvscale.operator.api.groupversion import GROUP
 
 MANAGER = "kvscale-operator"  # our field manager and the managed-by label
 AUTOSCALER_MANAGER = "kvscale-autoscaler"  # the autoscaler's, for the Deployment's replicas
+ADAPTERS_MANAGER = "kvscale-adapters"  # the adapter sync's (status.adapters)
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator
 
 from kvscale.operator.api.autoscaling import AutoscalingSpec
 from kvscale.operator.api.compile_cache import CompileCacheSpec
+from kvscale.operator.api.lora import MAX_ADAPTERS, AdapterSpec, LoRASpec
 from kvscale.operator.api.model import ModelSpec, SpeculativeSpec
 from kvscale.operator.api.pod import (
     Affinity,
@@ -70,11 +71,44 @@ class InferenceDeploymentSpec(CamelModel):
             "wakes a scaled-to-zero Deployment, not a LeaderWorkerSet group",
             lambda s: s.nodes == 1 or s.autoscaling is None or s.autoscaling.min_replicas > 0,
         ),
+        # The worker refuses both (worker/config.py): said here, at apply time, not in a crash loop.
+        Rule(
+            "!has(self.adapters) || size(self.adapters) == 0 || !has(self.speculative)",
+            "adapters cannot be combined with speculative decoding: the proposer would guess without "
+            "the adapter (the worker refuses it)",
+            lambda s: not s.adapters or s.speculative is None,
+        ),
+        Rule(
+            "!has(self.adapters) || size(self.adapters) == 0 || ((!has(self.parallelism) || "
+            "self.parallelism.tensor == 1) && (!has(self.resources) || !has(self.resources.gpus) || "
+            "self.resources.gpus <= 1))",
+            "adapters need tensor parallelism 1 (one rank per copy of the model) for now",
+            lambda s: not s.adapters or s.tensor_parallel_size == 1,
+        ),
+        # The operator would have to read the API key's Secret to call the load endpoints.
+        Rule(
+            "!has(self.lora) || !has(self.lora.dynamicLoading) || !self.lora.dynamicLoading || "
+            "!has(self.server) || !has(self.server.apiKeySecret)",
+            "lora.dynamicLoading is not supported with server.apiKeySecret: the operator does not "
+            "read Secrets, so it cannot call the workers' load endpoints; leave dynamicLoading off "
+            "(adapter changes then roll the workers out)",
+            lambda s: not s.lora.dynamic_loading or s.server.api_key_secret is None,
+        ),
     )
 
     model: ModelSpec = Field(description="The model to serve.")
     speculative: SpeculativeSpec | None = Field(default=None, description="Speculative decoding (optional).")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings of each worker.")
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        json_schema_extra=list_map("name"),
+        description="LoRA adapters of the model, each selected by a request's `model` "
+        "(docs/lora.md); status.adapters says where each one is served.",
+    )
+    lora: LoRASpec = Field(
+        default_factory=LoRASpec, description="How the workers hold the adapters (with adapters only)."
+    )
     compile_cache: CompileCacheSpec | None = Field(
         default=None,
         description="A volume the workers share for their compiled forward (optional). Default: each "
@@ -161,6 +195,11 @@ class InferenceDeploymentSpec(CamelModel):
     @classmethod
     def _env_namesunique(cls, env: list[EnvVar]) -> list[EnvVar]:
         return unique(env, lambda v: v.name, "env names")
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters_unique(cls, adapters: list[AdapterSpec]) -> list[AdapterSpec]:
+        return unique(adapters, lambda a: a.name, "adapter names")
 
     @field_validator("image_pull_secrets")
     @classmethod

@@ -1,11 +1,11 @@
 """What the operator reports on the resource: conditions, worker counts, the endpoint, and the
 autoscaler's signals and last decisions; and which of the two writers owns which fields.
 
-Two writers share the status, each through server-side apply under its own field manager and
+Three writers share the status, each through server-side apply under its own field manager and
 each sending only its own fields (`conditions` is a map keyed by `type`, so a writer owns its
-entries, not the list): the reconciler and the autoscaler. `status_apply` refuses a body with
-another writer's field: sending one would make the writer a co-owner and let it overwrite the
-other's value."""
+entries, not the list): the reconciler, the autoscaler and the adapter sync. `status_apply`
+refuses a body with another writer's field: sending one would make the writer a co-owner and let
+it overwrite the other's value."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from kvscale.operator.api.groupversion import GROUP, KIND, VERSION
-from kvscale.operator.api.labels import AUTOSCALER_MANAGER, MANAGER
+from kvscale.operator.api.labels import ADAPTERS_MANAGER, AUTOSCALER_MANAGER, MANAGER
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.api.validation import LABEL_KEY, CamelModel, list_map
 
@@ -90,6 +90,18 @@ class AutoscalingStatus(CamelModel):
     )
 
 
+class AdapterStatus(CamelModel):
+    """Where one of spec.adapters is served (operator/adapters/)."""
+
+    name: str = Field(description="The adapter's name.")
+    state: Literal["Ready", "Loading", "Failed", "Pending"] = Field(
+        description="Ready: every ready worker serves it; Loading: some do not yet; Failed: a worker "
+        "refused it (see message); Pending: no ready worker."
+    )
+    ready_workers: int = Field(default=0, description="Ready workers serving it.")
+    message: str = Field(default="", description="Why it is not Ready.")
+
+
 class InferenceDeploymentStatus(CamelModel):
     """What the operator observed; written by the operator only."""
 
@@ -117,6 +129,11 @@ class InferenceDeploymentStatus(CamelModel):
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The autoscaler's signals and its last decisions."
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        json_schema_extra=list_map("name"),
+        description="Each of spec.adapters: whether the ready workers serve it.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,
@@ -160,6 +177,7 @@ OWNED = {
     AUTOSCALER_MANAGER: Fields(
         frozenset({"kvCacheUsage", "autoscaling", "conditions"}), frozenset({"ScalingActive"})
     ),
+    ADAPTERS_MANAGER: Fields(frozenset({"adapters"}), frozenset()),
 }
 
 

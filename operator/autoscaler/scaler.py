@@ -100,7 +100,8 @@ class Target:
 
 
 class Scaler:
-    """The autoscaler tasks of every autoscaled resource, and the pod cache they read."""
+    """The autoscaler tasks of every autoscaled resource, and the pod cache they read (the adapter
+    sync, operator/adapters/, reads it too, and stops with it: `also_stop`)."""
 
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
@@ -109,6 +110,7 @@ class Scaler:
         self.feeder = PodFeeder(self.pods)
         self.owners = Ownership(self.read_owner)
         self.access = AccessReviews()
+        self.also_stop: list[Callable[[], None]] = []  # other tasks on the pod cache, stopped with it
 
     def read_owner(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The metadata of a link of a pod's owner chain (pods.Ownership), None when it is gone."""
@@ -448,6 +450,8 @@ class Scaler:
     def stop_all(self) -> None:
         """Stop the pod cache and every task (the lease is lost, or the operator stops)."""
         self.feeder.stop()
+        for stop in self.also_stop:
+            stop()
         for target in list(self.targets.values()):
             if target.task is not None:
                 target.task.cancel()

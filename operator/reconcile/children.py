@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import posixpath
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -263,7 +264,11 @@ def download_container(
 
 
 def worker_args(
-    name: str, spec: InferenceDeploymentSpec, model_path: str, draft_path: str | None
+    name: str,
+    spec: InferenceDeploymentSpec,
+    model_path: str,
+    draft_path: str | None,
+    adapters: dict[str, str] | None = None,
 ) -> list[str]:
     e = spec.engine
     args = [
@@ -288,7 +293,48 @@ def worker_args(
         args += ["--speculative-method", s.method, "--num-speculative-tokens", str(s.num_speculative_tokens)]
         if draft_path is not None:
             args += ["--draft-model", draft_path]
-    return args + list(e.extra_args)
+    return args + lora_args(spec, adapters or {}) + list(e.extra_args)
+
+
+def adapter_paths(spec: InferenceDeploymentSpec) -> dict[str, str]:
+    """name -> the folder the worker reads each adapter from (as pod_template mounts them)."""
+    return {a.name: hf_model_path(a.uri) if is_hf(a.uri) else resolve_model(a.uri)[0] for a in spec.adapters}
+
+
+def adapter_download_name(uri: str) -> str:
+    """The init container fetching an hf:// adapter: named by its URI's digest, so the names stay
+    put whatever the order of spec.adapters (and a URI two adapters share is fetched once)."""
+    return f"adapter-{hashlib.sha256(uri.encode()).hexdigest()[:10]}-download"
+
+
+def lora_args(spec: InferenceDeploymentSpec, adapters: dict[str, str]) -> list[str]:
+    """The worker's LoRA flags; `adapters`: name -> path in the container. Without dynamic loading
+    the adapters are `--lora-modules` (a change rolls the pods out); with it the pods load none at
+    start and the operator loads each one through the endpoints (operator/adapters/), from under
+    the roots named here, which depend on where the adapters live, not on which ones there are."""
+    if not adapters and not spec.lora.dynamic_loading:
+        return []
+    lora = spec.lora
+    args = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    if not lora.dynamic_loading:
+        return [*args, "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+    return [*args, "--enable-lora-runtime-updating", "--lora-allowed-roots", *adapter_roots(spec)]
+
+
+def adapter_roots(spec: InferenceDeploymentSpec) -> list[str]:
+    """Where dynamically loaded adapters may be read from: the hf-models volume, each claim's mount,
+    each image path's folder (the worker checks every file of an adapter resolves inside one)."""
+    roots = set()
+    for a in spec.adapters:
+        if is_hf(a.uri):
+            roots.add(HF_ROOT)
+        elif a.uri.startswith("pvc://"):
+            roots.add(f"{MODELS_ROOT}/{a.uri.removeprefix('pvc://').partition('/')[0]}")
+        else:
+            roots.add(posixpath.dirname(a.uri.removeprefix("file://").rstrip("/")) or "/")
+    return sorted(roots) or [HF_ROOT]
 
 
 def parallel_args(spec: InferenceDeploymentSpec) -> list[str]:
@@ -432,17 +478,20 @@ def pod_template(
     uris = [spec.model.uri]
     if spec.speculative is not None and spec.speculative.draft_model_uri:
         uris.append(spec.speculative.draft_model_uri)
-    paths = []
-    for uri in uris:
+
+    def source(uri: str) -> str:
+        """The path `uri` is read from in the worker container; its volume and mount added."""
         if is_hf(uri):  # downloaded by an init container into the hf-models volume
-            paths.append(hf_model_path(uri))
             volumes[HF_VOLUME] = hf_volume(spec)
             mounts[HF_VOLUME] = {"name": HF_VOLUME, "mountPath": HF_ROOT, "readOnly": True}
-            continue
+            return hf_model_path(uri)
         path, volume, mount = resolve_model(uri)
-        paths.append(path)
         if volume is not None and mount is not None:
             volumes[volume["name"]], mounts[mount["name"]] = volume, mount
+        return path
+
+    paths = [source(uri) for uri in uris]
+    adapters = {a.name: source(a.uri) for a in spec.adapters}
     model_path, draft_path = paths[0], (paths[1] if len(paths) > 1 else None)
     cache = compile_cache(spec)
     if cache is not None:
@@ -471,7 +520,7 @@ def pod_template(
         "name": "worker",
         "image": image,
         "command": ["kvscale-worker"],
-        "args": worker_args(owner.name, spec, model_path, draft_path),
+        "args": worker_args(owner.name, spec, model_path, draft_path, adapters),
         "ports": ports,
         "env": _env(spec),
         "resources": resources,
@@ -502,11 +551,11 @@ def pod_template(
         "requests": {"cpu": r.cpu, "memory": r.memory},
         "limits": {"cpu": r.cpu, "memory": r.memory},
     }
+    downloads = [(f"{p}{DOWNLOAD_SUFFIX}", uri) for p, uri in zip(("", "draft-"), uris, strict=False)]
+    downloads += [(adapter_download_name(uri), uri) for uri in dict.fromkeys(a.uri for a in spec.adapters)]
     init = [
-        download_container(
-            f"{prefix}{DOWNLOAD_SUFFIX}", uri, spec, image, download_resources, container["securityContext"]
-        )
-        for prefix, uri in zip(("", "draft-"), uris, strict=False)
+        download_container(name, uri, spec, image, download_resources, container["securityContext"])
+        for name, uri in downloads
         if is_hf(uri)
     ]
     pod_spec: dict[str, Any] = {

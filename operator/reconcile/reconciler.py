@@ -43,6 +43,7 @@ from pydantic import ValidationError
 
 from kvscale.operator import metrics
 from kvscale.operator.api.labels import AUTOSCALER_MANAGER, LABEL_OWNER, MANAGER
+from kvscale.operator.api.lora import adapter_name_clash
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.api.validation import name_problem
 from kvscale.operator.kube import leaderworkerset
@@ -238,6 +239,9 @@ class Reconciler:
             bad_name = name_problem(name)  # the same: the CRD's rule on metadata.name is newer
             if bad_name is not None:
                 spec, error = None, ("InvalidSpec", f"invalid name: {bad_name}")
+            clash = adapter_name_clash(spec, name) if spec is not None else None
+            if clash is not None:  # the default served name is the resource's: no CEL rule sees both
+                spec, error = None, ("InvalidSpec", clash)
             admin, refusal = self._admin_policy(spec) if spec is not None else (None, None)
             if refusal is not None:  # re-checked by every sync: a policy change is seen by the resync
                 error = refusal
