@@ -4,8 +4,9 @@ Only the families the router reads are parsed: the rest of the exposition (histo
 dropped line by line first, so a scrape costs the event loop a few hundred lines, not thousands.
 Sums over label sets (a worker serves one model, so there is one of each); the base model's
 served name is their model_name label. LoRA: the adapters in device slots
-(`kvscale_lora_adapter_resident`) and the slots (`vllm:lora_requests_info`: max_lora, and the
-adapters with running or waiting requests, which hold theirs). A body past
+(`kvscale_lora_adapter_resident`), those it serves at all (`kvscale_lora_adapter_served`; a worker
+without it, as vLLM, is taken to serve every adapter) and the slots (`vllm:lora_requests_info`:
+max_lora, and the adapters with running or waiting requests, which hold theirs). A body past
 `max_bytes` (1 MiB; a worker's is ~20 KiB) is never read whole: the endpoint counts as a failed
 scrape (capped_body.py says why every scrape of a pod is capped).
 """
@@ -35,8 +36,9 @@ FAMILIES = {
     "kvscale_kv_cache_blocks": "kv_blocks",
 }
 RESIDENT = "kvscale_lora_adapter_resident"  # ours: one series per adapter in a device slot
+SERVED = "kvscale_lora_adapter_served"  # ours: one series per adapter the worker serves by name
 LORA_INFO = "vllm:lora_requests_info"  # vLLM's: one series (the latest by value) with lists in labels
-_PREFIXES = (*FAMILIES, RESIDENT, LORA_INFO)
+_PREFIXES = (*FAMILIES, RESIDENT, SERVED, LORA_INFO)
 MAX_BYTES = 1 << 20
 
 
@@ -66,12 +68,17 @@ def parse_metrics(text: str) -> WorkerMetrics:
     values: dict[str, float] = {}
     served = ""
     resident: set[str] = set()
+    served_adapters: frozenset[str] | None = None  # None: the worker does not say (vLLM)
     info: dict[str, str] = {}
     info_time = float("-inf")
     for family in text_string_to_metric_families(kept):
         samples = [s for s in family.samples if s.name in (family.name, family.name + "_total")]
         if family.name == RESIDENT:
             resident.update(s.labels.get("lora_name", "") for s in samples if s.value > 0)
+        elif family.name == SERVED:
+            served_adapters = (served_adapters or frozenset()) | {
+                s.labels.get("lora_name", "") for s in samples if s.value > 0
+            }
         elif family.name == LORA_INFO:
             for sample in samples:  # vLLM may keep old series: the latest (its value is a time) wins
                 if sample.value > info_time:
@@ -96,6 +103,7 @@ def parse_metrics(text: str) -> WorkerMetrics:
         # A running adapter is in a slot too: all a vLLM worker, without our gauge, tells of them.
         adapters=frozenset(resident | running),
         lora_free_slots=max(0, max_lora - len(busy)),
+        served_adapters=served_adapters,
     )
 
 

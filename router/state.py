@@ -37,6 +37,8 @@ class WorkerMetrics:
     # Slots a request for another adapter can take at once: those not held by an adapter with
     # requests there (running or waiting); an idle resident adapter gives its slot up on demand.
     lora_free_slots: int = 0
+    # The adapters it serves by name (loaded); None: it does not say (a vLLM worker): any, maybe.
+    served_adapters: frozenset[str] | None = None
 
 
 class RouterState:
@@ -109,6 +111,22 @@ class RouterState:
             )
         return out
 
+    def serving(self, adapter: str | None) -> set[str] | None:
+        """The endpoints a request for `adapter` may go to (None: any). A base-model request goes
+        anywhere; an adapter's only where it is served by name (or where the worker does not say,
+        a vLLM one), while any worker serves it: a pod the operator has not loaded it into yet
+        (dynamic loading), or not yet scraped, gets none of its requests rather than answering
+        404. An adapter no worker serves goes anywhere (and gets its 404 there)."""
+        if adapter is None:
+            return None
+        if not any(
+            m.served_adapters is not None and adapter in m.served_adapters for m in self.metrics.values()
+        ):
+            return None
+        return {
+            e for e, m in self.metrics.items() if m.served_adapters is None or adapter in m.served_adapters
+        }
+
     def affinity(self, endpoint: str, model: str | None) -> str | None:
         """What a request for `model` found at `endpoint`: "resident" (its adapter in a slot),
         "empty" (an empty slot), "room" (an idle adapter's slot), "none"; None for a base-model
@@ -126,7 +144,13 @@ class RouterState:
         those a retry already tried), counted in flight there and its blocks recorded; None: nobody
         can take it."""
         skip = set(exclude)
-        cands = [c for c in self.candidates(hashes, self.adapter_of(model)) if c.name not in skip]
+        adapter = self.adapter_of(model)
+        allowed = self.serving(adapter)
+        cands = [
+            c
+            for c in self.candidates(hashes, adapter)
+            if c.name not in skip and (allowed is None or c.name in allowed)
+        ]
         if self.policy == "round-robin":
             chosen = pick_round_robin(cands, self._turn, self.config)
             self._turn += 1

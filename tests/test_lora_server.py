@@ -173,9 +173,10 @@ def test_load_and_unload_at_run_time(lora_server, lora_client, folders, referenc
     status, error = post(lora_server, "/v1/load_lora_adapter", body)
     assert status == 400 and "already been loaded" in error["error"]["message"], error
 
-    assert "doc" in resident(lora_server)
+    assert "doc" in resident(lora_server) and "doc" in served(lora_server)
     status, text = post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "doc"})
     assert status == 200, text
+    assert "doc" not in served(lora_server) and "sql" in served(lora_server)  # at once: no step needed
     # Gone from the resident gauge while the server idles (no step follows the unload), so the
     # router's adapter affinity does not keep sending doc here.
     deadline = time.monotonic() + 10
@@ -356,6 +357,12 @@ def running(server) -> str:
 def resident(server) -> set[str]:
     """The adapters kvscale_lora_adapter_resident lists (in a device slot now)."""
     family = metrics(server).get("kvscale_lora_adapter_resident")
+    return {s.labels["lora_name"] for s in (family.samples if family else []) if s.value == 1}
+
+
+def served(server) -> set[str]:
+    """The adapters kvscale_lora_adapter_served lists (served by name now)."""
+    family = metrics(server).get("kvscale_lora_adapter_served")
     return {s.labels["lora_name"] for s in (family.samples if family else []) if s.value == 1}
 
 

@@ -352,6 +352,27 @@ def test_an_adapter_goes_where_it_is_resident_and_spills_to_a_free_slot_past_the
     assert [s.affinity(e, "sql") for e in (holder, room, full)] == ["resident", "empty", "none"]
 
 
+def test_an_adapter_goes_only_where_it_is_served_while_any_worker_serves_it():
+    """A new pod the operator has not loaded the adapter into yet (it serves none: the best kv and
+    an empty slot) gets none of its requests; a worker that does not say (vLLM) may; an adapter no
+    worker serves, and the base model, go anywhere."""
+    s = state()
+    holder, new_pod, vllm = ENDPOINTS
+    s.update_metrics(holder, lora_worker(served_adapters=frozenset({"sql"}), kv_usage=0.9, waiting=20))
+    s.update_metrics(new_pod, lora_worker(served_adapters=frozenset(), lora_free_slots=2))
+    s.update_metrics(vllm, lora_worker(lora_free_slots=0, kv_usage=0.9, waiting=20))
+    assert s.serving("sql") == {holder, vllm}
+    picks = []
+    for i in range(12):
+        e = s.choose(_hashes(f"{i} sql " * 40), model="sql")
+        picks.append(e)
+    assert new_pod not in picks and set(picks) == {holder, vllm}  # over the bound, both take some
+    assert s.serving("nope") is None and s.serving(None) is None
+    for i in range(3):
+        assert s.choose(_hashes(f"{i} base " * 40), model="tiny") is not None
+    assert s.choose(_hashes("x " * 40), model="nope") == new_pod  # anywhere: the best scores
+
+
 def test_a_base_model_request_is_not_moved_by_adapters_or_slots():
     """Where each base-model request goes without LoRA, it goes with every other endpoint holding
     adapters, free slots, even an adapter named like the base model: it names no adapter."""

@@ -110,6 +110,11 @@ def test_parse_reads_the_lora_slots_from_the_workers_own_exposition():
     m.record(IterationStats(lora_resident=["sql", "w3"]), SchedulerStats(0, 0, 0.0, 0, 0, 0), 64)
     got = parse_metrics(m.render().decode())
     assert got.adapters == {"sql", "w3"} and got.lora_free_slots == 4  # doc left its slot; all idle
+    assert got.served_adapters == frozenset()  # a LoRA worker serving none yet (a new pod)
+    m.set_served_adapters(["sql", "doc", "w3"])
+    assert parse_metrics(m.render().decode()).served_adapters == {"sql", "doc", "w3"}
+    m.set_served_adapters(["sql", "w3"])  # doc unloaded: its series goes
+    assert parse_metrics(m.render().decode()).served_adapters == {"sql", "w3"}
     plain = EngineMetrics("tiny")
     plain.cache_config(block_size=16, num_blocks=64, enable_prefix_caching=True)
     got = parse_metrics(plain.render().decode())
@@ -128,6 +133,7 @@ def test_parse_takes_the_latest_of_vllms_lora_info_series():
     )
     got = parse_metrics(page)
     assert got.adapters == {"c"} and (got.max_lora, got.lora_free_slots) == (2, 1)
+    assert got.served_adapters is None  # vLLM does not say which it serves: not filtered out
 
 
 def test_parse_of_an_empty_or_foreign_page_is_zeros():

@@ -69,6 +69,17 @@ class _Twin:
                 m.observe(v)
 
 
+def _set_members(gauge: _Twin, before: frozenset[str], now: frozenset[str]) -> frozenset[str]:
+    """A set of adapters as a gauge's series, one at 1 per lora_name: the ones gone removed (a
+    state that ended must not linger at its last value), the new ones set. Returns `now`."""
+    for name in before - now:
+        gauge.remove(lora_name=name)
+    for name in now - before:
+        for m in gauge.child(lora_name=name):
+            m.set(1)
+    return now
+
+
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -264,6 +275,16 @@ class EngineMetrics:
             extra_labels=("lora_name",),
         )
         self._resident: frozenset[str] = frozenset()
+        # One series per adapter this server serves by name (--lora-modules and run-time loads),
+        # gone at its unload: the router sends an adapter's requests only where it is served, so
+        # a pod the operator has not loaded it into yet gets none (rather than answering 404).
+        self.lora_served = twin(
+            Gauge,
+            ["kvscale_lora_adapter_served"],
+            "1 for each LoRA adapter this server serves by name (its series goes at its unload).",
+            extra_labels=("lora_name",),
+        )
+        self._served: frozenset[str] = frozenset()
         self._lora_info: Gauge | None = None
         self._lora_labels: dict[str, str] | None = None
         self._max_lora = "0"
@@ -319,13 +340,12 @@ class EngineMetrics:
 
     def _set_resident(self, names: Iterable[str]) -> None:
         """The resident adapters' series: one at 1 per adapter in a slot now (lock held)."""
-        now = frozenset(names)
-        for name in self._resident - now:
-            self.lora_resident.remove(lora_name=name)
-        for name in now - self._resident:
-            for m in self.lora_resident.child(lora_name=name):
-                m.set(1)
-        self._resident = now
+        self._resident = _set_members(self.lora_resident, self._resident, frozenset(names))
+
+    def set_served_adapters(self, names: Iterable[str]) -> None:
+        """The adapters the server serves now (lora_serving.py, at each load and unload)."""
+        with self._lock:
+            self._served = _set_members(self.lora_served, self._served, frozenset(names))
 
     def render(self) -> bytes:
         """The Prometheus text exposition, consistent with whole `record` calls."""

@@ -132,6 +132,7 @@ class LoRAServing:
             await loop.run_in_executor(None, engine.add_lora, request, allowed_roots)
             self.adapters[name] = request
             self.created[name] = int(time.time())
+            self.llm.metrics.set_served_adapters(self.adapters)
             return request
 
     async def unload(self, name: str) -> None:
@@ -143,6 +144,7 @@ class LoRAServing:
             engine = self.llm.engine
             assert engine is not None
             engine.remove_lora(request.lora_int_id)  # requests already running on it finish on it
+            self.llm.metrics.set_served_adapters(self.adapters)
             self.llm.publish_metrics_soon()  # no longer resident for the router, even while idle
 
     async def load_modules(self) -> None:
