@@ -28,7 +28,14 @@ class ServerProcess(BenchServerProcess):
             return e.code, e.read()
 
     def log(self) -> str:
+        """The log's tail, for a failed assertion's message."""
         return self.log_path.read_text(errors="replace")[-5000:]
+
+    def whole_log(self) -> str:
+        """All of it, for what a test looks for: a process that exits with a daemon thread still
+        running (a drain timeout's) has its thread stacks and the native libraries' exit noise
+        (triton's nanobind leak report, ~5 KB) after the line a test wants."""
+        return self.log_path.read_text(errors="replace")
 
 
 def start_server(

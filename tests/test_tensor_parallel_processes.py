@@ -74,7 +74,7 @@ def test_two_hosts_match_tp1_and_a_killed_follower_rank_ends_both(target_model, 
         # The idle leader learns at its next ping of the ranks (a broadcast to a closed socket fails
         # at once): no request needed.
         assert wait_exit(leader, timeout=15) == 1, leader.log()
-        assert "tensor-parallel group broken" in leader.log()
+        assert "tensor-parallel group broken" in leader.whole_log()
         wait_gone(pids)
     finally:
         follower.stop()
