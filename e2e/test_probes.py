@@ -133,23 +133,28 @@ def test_a_worker_whose_engine_thread_hangs_is_restarted_by_its_liveness_probe(o
     )
     stopper = ThreadStopper(operator.node.container_pid(status.container_id), ENGINE_THREAD)
     try:
-        # A thread frozen while it holds the GIL freezes the server too (the SIGSTOP case above):
-        # thaw and freeze again until it is frozen outside the interpreter (in a torch kernel, a
-        # lock wait), which is where real hangs sit.
-        for _ in range(100):
+        # A thread frozen while it holds the GIL freezes the server too (the SIGSTOP case above),
+        # and one frozen in a futex wait may hold a Python lock the event loop needs next (a cold
+        # CI run froze it so: /health never answered again). Thaw and freeze again until it is
+        # frozen in native code without the GIL (a torch kernel), which is where real hangs sit.
+        for _ in range(200):
             assert stopper.stop() == "stopped"
-            if health(address) is not None:
+            if stopper.in_user_code() and health(address) is not None:
                 break
             stopper.cont()
         else:
-            pytest.fail("the engine thread was never frozen without the GIL")
+            pytest.fail("the engine thread was never frozen in native code without the GIL")
         stopper.wait_exit_in_background()
-        answers = wait_for(
-            lambda: (a := health(address)) and a[0] == 500 and a,
-            timeout=30,
-            interval=0.5,
-            what="/health to report the stuck engine",
-        )
+        seen: list[tuple[int, str] | None] = []
+
+        def stuck() -> tuple[int, str] | None:
+            seen.append(a := health(address))
+            return a if a is not None and a[0] == 500 else None
+
+        try:
+            answers = wait_for(stuck, timeout=30, interval=0.5, what="/health to report the stuck engine")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; /health answered {sorted(set(map(str, seen)))}") from None
         assert '"stuck"' in answers[1], answers
 
         def restarted():

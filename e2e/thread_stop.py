@@ -73,10 +73,23 @@ def main(pid: int, name: str) -> None:
     libc.ptrace(PTRACE_DETACH, tid, None, None)
 
 
+def in_user_code(tid: int) -> bool:
+    """Whether the stopped thread `tid` was stopped in its own code rather than in a system call.
+
+    /proc/<tid>/syscall gives the number of the system call a blocked thread is in, -1 when it is
+    not in one. A thread waiting for the GIL (or any lock) is in a futex call: frozen there, it may
+    hold a Python-level lock (a queue's, an Event's) that the event loop then waits for for ever,
+    a state no real hang reaches. Frozen in user code without the GIL, it is inside a native
+    kernel (a torch op), where real hangs sit.
+    """
+    return Path(f"/proc/{tid}/syscall").read_text().split()[0] == "-1"
+
+
 class ThreadStopper:
     """Drives `main` in a child process: stop(), cont(), wait_exit(); close() detaches."""
 
     def __init__(self, pid: int, name: str) -> None:
+        self.tid = thread_id(pid, name)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(pid), name],
             stdin=subprocess.PIPE,
@@ -98,6 +111,10 @@ class ThreadStopper:
 
     def cont(self) -> str:
         return self._say("cont")
+
+    def in_user_code(self) -> bool:
+        """After stop(): see in_user_code."""
+        return in_user_code(self.tid)
 
     def wait_exit_in_background(self) -> None:
         """From now on the thread stays stopped until it exits; the child reaps it and exits."""
