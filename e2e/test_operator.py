@@ -80,6 +80,31 @@ def operator(cluster):
     return cluster
 
 
+def wait_for_new_leader(cluster, old_pods: set[str]) -> str:
+    """The operator's rollout is done, a pod of the new ReplicaSet holds the Lease and the old
+    pods are gone (none of them can send another request)."""
+    cluster.kubectl("rollout", "status", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--timeout=180s")
+    coord = client.CoordinationV1Api(cluster.api)
+
+    def new_leader():
+        try:
+            holder = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
+        except client.ApiException:
+            return None
+        return holder if holder and holder not in old_pods else None
+
+    leader = wait_for(new_leader, timeout=120, interval=0.5, what="a pod of the new rollout to lead")
+    wait_for(lambda: not operator_pods(cluster) & old_pods, timeout=60, what="the old operator pods to go")
+    return leader
+
+
+def operator_pods(cluster) -> set[str]:
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
+        OPERATOR_NS, label_selector="app.kubernetes.io/name=kvscale-operator"
+    )
+    return {p.metadata.name for p in pods.items}
+
+
 MODELS_CLAIM = "models"  # in each test namespace: ../shared/models, read-only
 
 

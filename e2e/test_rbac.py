@@ -25,6 +25,8 @@ from test_operator import (  # noqa: F401 (fixtures)
     get_cr,
     namespace,
     operator,
+    operator_pods,
+    wait_for_new_leader,
 )
 
 CHILD_READERS = {
@@ -104,31 +106,6 @@ def render_namespaced(cluster, watched: str) -> list[dict]:
     """manifests/namespaced/ as kustomize renders it, its example namespace replaced by ours."""
     text = cluster.kubectl("kustomize", str(REPO / "manifests" / "namespaced")).stdout
     return [d for d in yaml.safe_load_all(text.replace("kvscale-workloads", watched)) if d]
-
-
-def wait_for_new_leader(cluster, old_pods: set[str]) -> str:
-    """The operator's rollout is done, a pod of the new ReplicaSet holds the Lease and the old
-    pods are gone (none of them can send another request)."""
-    cluster.kubectl("rollout", "status", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--timeout=180s")
-    coord = client.CoordinationV1Api(cluster.api)
-
-    def new_leader():
-        try:
-            holder = coord.read_namespaced_lease(OPERATOR, OPERATOR_NS).spec.holder_identity
-        except client.ApiException:
-            return None
-        return holder if holder and holder not in old_pods else None
-
-    leader = wait_for(new_leader, timeout=120, interval=0.5, what="a pod of the new rollout to lead")
-    wait_for(lambda: not operator_pods(cluster) & old_pods, timeout=60, what="the old operator pods to go")
-    return leader
-
-
-def operator_pods(cluster) -> set[str]:
-    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(
-        OPERATOR_NS, label_selector="app.kubernetes.io/name=kvscale-operator"
-    )
-    return {p.metadata.name for p in pods.items}
 
 
 def test_the_namespaced_install_serves_its_namespace_with_no_cluster_wide_right(operator, namespace):  # noqa: F811

@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscale-operator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default=os.environ.get("KVSCALE_LOG_LEVEL", "INFO"), help="(env KVSCALE_LOG_LEVEL)"
+    )
     parser.add_argument("--log-format", choices=["json", "text"], default="json")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the operator (leader-elected)")
