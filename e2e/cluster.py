@@ -152,16 +152,21 @@ class ControlPlane:
         return kubectl(self.kubeconfig, *args, input=input, check=check)
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """A failed kubectl, with what it said (CalledProcessError's message leaves stderr out)."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '').strip()[-3000:]}"
+
+
 def kubectl(kubeconfig: Path | str, *args: str, input: str | None = None, check: bool = True):
     """Run the kubectl built from the same release, with this kubeconfig."""
     binary = ensure_built().kubectl
-    return subprocess.run(
-        [str(binary), "--kubeconfig", str(kubeconfig), *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        check=check,
-    )
+    argv = [str(binary), "--kubeconfig", str(kubeconfig), *args]
+    out = subprocess.run(argv, input=input, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise KubectlError(out.returncode, argv, out.stdout, out.stderr)
+    return out
 
 
 def _up(state_dir: Path) -> int:

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import go_module
+from host_process import free_port, processes
 
 VERSION = "v1.9.6"
 CONTROLLERS = {
@@ -81,69 +79,32 @@ def build(timeout: float = 3600) -> dict[str, Path]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def controllers(kubeconfig: Path, workdir: Path, timeout: float = 60) -> Iterator[dict[str, Path]]:
-    """Both controllers running against the cluster, each until the block ends; yields each one's
-    log file. Ready when each answers its /readyz."""
+def controllers(kubeconfig: Path, workdir: Path, timeout: float = 90) -> Iterator[dict[str, Path]]:
+    """Both controllers running against the cluster until the block ends; yields each one's log."""
     exes = build()
-    storage = _free_port()
-    procs: list[subprocess.Popen] = []
-    logs = {name: workdir / f"{name}.log" for name in CONTROLLERS}
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "RUNTIME_NAMESPACE": "flux-system"}
-    try:
-        health = {}
-        for name, exe in exes.items():
-            health[name] = _free_port()
-            args = [
-                str(exe),
-                f"--metrics-addr=127.0.0.1:{_free_port()}",
-                f"--health-addr=127.0.0.1:{health[name]}",
-                "--log-level=debug",
+    storage, health = free_port(), {name: free_port() for name in CONTROLLERS}
+    programs = {}
+    for name, exe in exes.items():
+        argv = [
+            str(exe),
+            f"--metrics-addr=127.0.0.1:{free_port()}",
+            f"--health-addr=127.0.0.1:{health[name]}",
+            "--log-level=debug",
+        ]
+        if name == "kustomize-controller":  # a commit moves all three Kustomizations of the test
+            argv.append("--requeue-dependency=5s")
+        if name == "source-controller":
+            (workdir / "storage").mkdir(parents=True, exist_ok=True)
+            argv += [
+                f"--storage-path={workdir / 'storage'}",
+                f"--storage-addr=127.0.0.1:{storage}",
+                f"--storage-adv-addr=127.0.0.1:{storage}",
             ]
-            if name == "kustomize-controller":  # a commit moves all three Kustomizations of the test
-                args.append("--requeue-dependency=5s")
-            if name == "source-controller":
-                (workdir / "storage").mkdir(parents=True, exist_ok=True)
-                args += [
-                    f"--storage-path={workdir / 'storage'}",
-                    f"--storage-addr=127.0.0.1:{storage}",
-                    f"--storage-adv-addr=127.0.0.1:{storage}",
-                ]
-            with logs[name].open("wb") as log:
-                procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + timeout
-        for name, port in health.items():
-            while not _answers(f"http://127.0.0.1:{port}/readyz"):
-                for proc in procs:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"a Flux controller exited: {logs[name].read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} not ready in {timeout} s: {logs[name].read_text()[-3000:]}")
-                time.sleep(0.5)
+        programs[name] = (argv, f"http://127.0.0.1:{health[name]}/readyz")
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "RUNTIME_NAMESPACE": "flux-system"}
+    with processes(programs, env, workdir, timeout) as logs:
         yield logs
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 class _GitBackend(BaseHTTPRequestHandler):

@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import certs
 import go_module
 import yaml
 
@@ -73,37 +74,6 @@ def build(timeout: float = 3600) -> Path:
     return MANAGER_BIN
 
 
-def _serving_cert(certs: Path) -> bytes:
-    """A CA and a serving certificate for 127.0.0.1 in certs/ (tls.crt, tls.key); the CA's PEM."""
-    certs.mkdir(parents=True, exist_ok=True)
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=certs, check=True, capture_output=True)
-
-    openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=lws-e2e-ca",
-        "-keyout", "ca.key", "-out", "ca.crt",
-    )  # fmt: skip
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-    )
-    (certs / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl(
-        "x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "1", "-extfile", "san.cnf", "-out", "tls.crt",
-    )  # fmt: skip
-    return (certs / "ca.crt").read_bytes()
-
-
 def webhook_configurations(ca: bytes, port: int = WEBHOOK_PORT) -> list[dict]:
     """The module's webhook configurations, served by a controller on 127.0.0.1:port."""
     docs = [d for d in yaml.safe_load_all((module_dir() / WEBHOOKS).read_text()) if d]
@@ -127,7 +97,7 @@ def controller(
     """The LWS controller, running with its webhooks registered, until the block ends (then the
     webhook configurations go first: a pod webhook left without its server refuses every pod)."""
     binary = build()
-    ca = _serving_cert(state_dir / "certs")
+    ca = certs.serving_cert(state_dir / "certs", ["IP:127.0.0.1"], name="lws-e2e")
     config = {
         "apiVersion": "config.lws.x-k8s.io/v1alpha1",
         "kind": "Configuration",

@@ -196,8 +196,10 @@ def test_flux_applies_three_commits_and_sees_no_drift(operator, namespace, tmp_p
                 )
 
             wait_for(gone, timeout=120, interval=1, what="the resource, its children and its workers to go")
-            # The platform Kustomizations applied the operator's install and never pruned it.
+            # The platform Kustomizations applied the operator's install and never pruned it, and
+            # kubectl can take the install back without a conflict with Flux's fields.
             assert apps.read_namespaced_deployment("kvscale-operator", "kvscale-system").status.ready_replicas
+            operator.kubectl("apply", "--server-side", "-k", str(REPO / "manifests"))
         finally:
             # Flux's objects carry its finalizer: deleted while its controllers still run.
             for obj in reversed(objects):

@@ -386,7 +386,9 @@ def test_float32_checkpoint_served_in_bf16_is_never_held_in_float32(large_checkp
     largest = max(end - begin for begin, end in (t["data_offsets"] for t in header.values()))
     assert result["served"] <= 0.51 * size
     assert result["peak_growth"] < result["served"] + LOAD_THREADS * largest, (result, size, largest)
-    assert result["peak_growth"] < 0.9 * size, (result, size)  # the float32 model alone is 1.0
+    # Held in float32 it would be 1.0 of the checkpoint, plus the bf16 copy; measured 0.8-0.9 (eight
+    # loader threads' float32 tensors in flight; a cold CI run saw 0.901).
+    assert result["peak_growth"] < size, (result, size)
 
 
 # -- max_model_len against the RoPE configuration ---------------------------------------------------

@@ -216,6 +216,18 @@ func apiserverArgs(p pkiPaths, port int, etcdURL string, audit auditFiles, o opt
 		"--tls-cert-file=" + p.serverCert,
 		"--tls-private-key-file=" + p.serverKey,
 		"--client-ca-file=" + p.caCert,
+		// The aggregation layer (APIService objects: KEDA's external metrics adapter): the
+		// request-header authentication an extension API server delegates to, and the client
+		// certificate this server proxies with; routed to the Service's endpoints, not its
+		// cluster IP (the adapter runs on the host, behind an EndpointSlice of the node's address).
+		"--requestheader-client-ca-file=" + p.caCert,
+		"--requestheader-allowed-names=front-proxy-client",
+		"--requestheader-username-headers=X-Remote-User",
+		"--requestheader-group-headers=X-Remote-Group",
+		"--requestheader-extra-headers-prefix=X-Remote-Extra-",
+		"--proxy-client-cert-file=" + p.proxyCert,
+		"--proxy-client-key-file=" + p.proxyKey,
+		"--enable-aggregator-routing=true",
 		"--authorization-mode=Node,RBAC",
 		"--service-account-key-file=" + p.saPub,
 		"--service-account-signing-key-file=" + p.saKey,

@@ -1,8 +1,10 @@
 package main
 
 // Certificates and keys for a throwaway cluster: one CA, the API server's serving certificate,
-// an admin client certificate (group system:masters) and the service-account signing key.
-// Kept under <dir>/pki and reused when the directory is reused.
+// an admin client certificate (group system:masters), the front proxy's client certificate (the
+// aggregation layer's: the API server proxies to an extension API server, such as KEDA's metrics
+// adapter, as front-proxy-client, the only name its request-header authentication accepts) and
+// the service-account signing key. Kept under <dir>/pki and reused when the directory is reused.
 
 import (
 	"crypto"
@@ -27,6 +29,7 @@ type pkiPaths struct {
 	caCert, caKey         string
 	serverCert, serverKey string
 	adminCert, adminKey   string
+	proxyCert, proxyKey   string
 	saKey, saPub          string
 }
 
@@ -37,10 +40,13 @@ func ensurePKI(dir string, sans []net.IP) (pkiPaths, error) {
 		caCert: filepath.Join(dir, "ca.crt"), caKey: filepath.Join(dir, "ca.key"),
 		serverCert: filepath.Join(dir, "apiserver.crt"), serverKey: filepath.Join(dir, "apiserver.key"),
 		adminCert: filepath.Join(dir, "admin.crt"), adminKey: filepath.Join(dir, "admin.key"),
+		proxyCert: filepath.Join(dir, "front-proxy-client.crt"), proxyKey: filepath.Join(dir, "front-proxy-client.key"),
 		saKey: filepath.Join(dir, "sa.key"), saPub: filepath.Join(dir, "sa.pub"),
 	}
 	if _, err := os.Stat(p.saPub); err == nil {
-		return p, nil // made by an earlier run on this directory
+		if _, err := os.Stat(p.proxyKey); err == nil {
+			return p, nil // made by an earlier run on this directory (one older than the front proxy: again)
+		}
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return p, err
@@ -90,6 +96,19 @@ func ensurePKI(dir string, sans []net.IP) (pkiPaths, error) {
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 	}
 	if err := issue(p.adminCert, p.adminKey, admin, ca, caKey); err != nil {
+		return p, err
+	}
+	// Signed by the one CA (a real cluster has a front-proxy CA of its own): the API server
+	// accepts request headers only from a client certificate named front-proxy-client.
+	proxy := &x509.Certificate{
+		SerialNumber: big.NewInt(4),
+		Subject:      pkix.Name{CommonName: "front-proxy-client"},
+		NotBefore:    now,
+		NotAfter:     now.Add(10 * 365 * 24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+	}
+	if err := issue(p.proxyCert, p.proxyKey, proxy, ca, caKey); err != nil {
 		return p, err
 	}
 
