@@ -81,6 +81,12 @@ def operator_env(cluster) -> dict[str, str]:
     return {e.name: e.value for e in deployment.spec.template.spec.containers[0].env if e.value is not None}
 
 
+def stop_operator(cluster) -> None:
+    """The operator's Deployment scaled to zero, until its pods are gone."""
+    cluster.kubectl("scale", f"deployment/{OPERATOR}", "-n", OPERATOR_NS, "--replicas=0")
+    wait_for(lambda: not operator_pods(cluster), timeout=90, what="the operator's pods to stop")
+
+
 def complete(address: str, model: str) -> dict:
     body = json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 4}).encode()
     request = urllib.request.Request(
@@ -105,14 +111,14 @@ def test_helm_installs_upgrades_rolls_back_and_uninstalls_the_operator(operator,
     try:
         # The kustomize install's objects go (not its namespace, which Helm never owns), then the
         # chart installs the same objects from nothing.
+        # The operator's pods first, its rights once they are gone: a pod still stopping would be
+        # refused its last Lease release, and e2e/test_operator.py's audit check allows no 403.
+        stop_operator(operator)
         for obj in objects:
             if obj["kind"] != "PodMonitor":
                 operator.kubectl(
                     "delete", "--ignore-not-found", "--wait=false", "-f", "-", input=json.dumps(obj)
                 )
-        wait_for(
-            lambda: not operator_pods(operator) & before, timeout=90, what="the kustomize operator to go"
-        )
         helm("install", RELEASE, str(CHART), "--wait", "--timeout", "4m")
         assert all(exists(operator, o) for o in objects), [o["metadata"]["name"] for o in objects]
         installed = operator_pods(operator)
@@ -160,16 +166,18 @@ def test_helm_installs_upgrades_rolls_back_and_uninstalls_the_operator(operator,
             (3, "deployed"),
         ], history
 
+        # `helm uninstall` deletes the Deployment and the RBAC in one pass, while the pods take
+        # seconds to stop: scaled to zero first, as above (docs/operator.md, "Helm").
+        stop_operator(operator)
         helm("uninstall", RELEASE, "--wait", "--timeout", "3m")
         left = [f"{o['kind']}/{o['metadata']['name']}" for o in objects if exists(operator, o)]
         assert not left, left
-        # The garbage collector removes the ReplicaSet's pods after the Deployment.
-        wait_for(lambda: not operator_pods(operator), timeout=90, what="the chart's operator pods to go")
         # The CRD (Helm never deletes crds/) and the workloads stay: only the operator went.
         operator.kubectl("get", "crd", "inferencedeployments.kvscale.dev")
         assert worker_pod(operator, namespace, "charted").metadata.uid == worker.metadata.uid
     finally:
         if helm("status", RELEASE, check=False).returncode == 0:
+            stop_operator(operator)
             helm("uninstall", RELEASE, "--wait", "--timeout", "3m", check=False)
         operator.kubectl("delete", "crd", "podmonitors.monitoring.coreos.com", "--ignore-not-found")
         during = operator_pods(operator) | charted
