@@ -52,15 +52,19 @@ def segments_of(token_slots: torch.Tensor) -> Segments:
 
 @dataclass(frozen=True)
 class Packed:
-    """A step's adapter rows grouped by slot: slots [lo, lo + S), each group padded to `length`
-    rows (a slot in the range with no row is all padding). Padded positions gather a zero row and
-    so add zeros, into row 0."""
+    """A step's adapter rows grouped by slot: slots [lo, lo + S), each group padded to L rows (a
+    slot in the range with no row is all padding). Padded positions gather a zero row and so add
+    zeros, into row 0."""
 
     lo: int
-    num_slots: int  # S
-    length: int  # L
-    gather: torch.Tensor  # [S * L] the row of each position; padding: T (the appended zero row)
-    scatter: torch.Tensor  # [S * L] the row of each position; padding: 0
+    gather: torch.Tensor  # [S, L] the row of each position; padding: T (the appended zero row)
+    scatter: torch.Tensor  # [S, L] the row of each position; padding: 0
+    inverse: torch.Tensor  # [T] each row's position; rows without an adapter: S * L (a zero row)
+
+    @property
+    def window(self) -> slice:
+        """The slots it covers, as a slice of the slot tables' first dimension."""
+        return slice(self.lo, self.lo + self.gather.shape[0])
 
 
 # Packing pays while the padded positions are few: at most this many, or half the rows. A long
@@ -68,9 +72,12 @@ class Packed:
 MAX_PADDING_ROWS = 64
 
 
-def pack_rows(token_slots: np.ndarray, device: torch.device | str = "cpu") -> Packed | None:
+def pack_rows(
+    token_slots: np.ndarray, device: torch.device | str = "cpu", for_graph: bool = False
+) -> Packed | None:
     """The rows of each slot in token_slots as one padded batch, or None when that would not pay:
-    fewer than two slots present (one matmul pair does it), or too much padding."""
+    fewer than two slots present (one matmul pair does it; but `for_graph`, the compiled LoRA
+    graphs, have no other way), or too much padding (for_graph: MAX_GRAPH_PADDING)."""
     rows = np.flatnonzero(token_slots >= 0)
     if rows.size == 0:
         return None
@@ -78,7 +85,10 @@ def pack_rows(token_slots: np.ndarray, device: torch.device | str = "cpu") -> Pa
     lo, hi = int(slots.min()), int(slots.max()) + 1
     counts = np.bincount(slots - lo, minlength=hi - lo)
     length = int(counts.max())
-    if np.count_nonzero(counts) < 2 or (hi - lo) * length - rows.size > max(MAX_PADDING_ROWS, rows.size // 2):
+    if not for_graph and np.count_nonzero(counts) < 2:
+        return None
+    padding = (hi - lo) * length - rows.size
+    if padding > max(MAX_PADDING_ROWS, int(rows.size * (MAX_GRAPH_PADDING if for_graph else 0.5))):
         return None
     order = np.argsort(slots, kind="stable")
     rows, slots = rows[order], slots[order] - lo
@@ -87,8 +97,10 @@ def pack_rows(token_slots: np.ndarray, device: torch.device | str = "cpu") -> Pa
     gather = np.full((hi - lo) * length, token_slots.shape[0], dtype=np.int64)
     scatter = np.zeros((hi - lo) * length, dtype=np.int64)
     gather[position] = scatter[position] = rows
-    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return Packed(lo, hi - lo, length, as_tensor(gather), as_tensor(scatter))
+    inverse = np.full(token_slots.shape[0], (hi - lo) * length, dtype=np.int64)
+    inverse[rows] = position
+    as_tensor = lambda a: torch.from_numpy(a.reshape(hi - lo, length)).to(device)  # noqa: E731
+    return Packed(lo, as_tensor(gather), as_tensor(scatter), torch.from_numpy(inverse).to(device))
 
 
 def block_diagonal(lora_b: torch.Tensor, slices: list[tuple[int, int]]) -> torch.Tensor:
@@ -104,16 +116,51 @@ def block_diagonal(lora_b: torch.Tensor, slices: list[tuple[int, int]]) -> torch
 
 
 def add_lora_packed(
-    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b_bd: torch.Tensor, packed: Packed
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b_bd: torch.Tensor,
+    gather: torch.Tensor,
+    scatter: torch.Tensor,
 ) -> torch.Tensor:
-    """add_lora over a Packed step, with B as block_diagonal gives it: one bmm shrinks every
-    adapter's rows, one expands them into every slice, one index_add_ adds them to their rows."""
-    s, length = packed.num_slots, packed.length
-    xs = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, packed.gather).view(s, length, -1)
-    window = slice(packed.lo, packed.lo + s)
-    y = torch.bmm(xs, lora_a[window].transpose(1, 2))  # [S, L, n_slices * R]
-    delta = torch.bmm(y, lora_b_bd[window])  # [S, L, out]
-    return out.index_add_(0, packed.scatter, delta.view(s * length, -1))
+    """add_lora over packed rows (a Packed's gather and scatter), with the tables of its window's
+    slots alone and B as block_diagonal gives it: one bmm shrinks every adapter's rows, one expands
+    them into every slice, one index_add_ adds them to their rows (5 ops whatever the number of
+    adapters: the eager CPU path's way)."""
+    s, length = gather.shape
+    y = torch.bmm(_gather_rows(x, gather), lora_a.transpose(1, 2))  # [S, L, n_slices * R]
+    delta = torch.bmm(y, lora_b_bd)  # [S, L, out]
+    return out.index_add_(0, scatter.flatten(), delta.view(s * length, -1))
+
+
+def _gather_rows(x: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
+    """[S, L, in]: x's rows as gather lays them out, the padding (index T) a zero row."""
+    s, length = gather.shape
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, gather.flatten()).view(s, length, -1)
+
+
+# Graph padding: inside a compiled graph a padded row costs its rank-sized products alone, while a
+# step that does not pack runs the whole forward eagerly (10-25 % slower on a CPU), so more pays.
+MAX_GRAPH_PADDING = 1.0  # x the rows
+
+
+def add_lora_packed_graph(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b_bd: torch.Tensor,
+    gather: torch.Tensor,
+    inverse: torch.Tensor,
+) -> torch.Tensor:
+    """add_lora_packed for a compiled graph: the products brought back to their rows by a gather
+    (`inverse`), which inductor fuses into the base projection's addmm as its bias, rather than a
+    scatter, whose padding positions (all into row 0) its loop would add one by one. B stays
+    block-diagonal: at decode sizes a bmm call costs more than the zeros it multiplies (measured:
+    one bmm per slice made the decode steps slower). lora_a, lora_b_bd: the packed window's slots."""
+    s, length = gather.shape
+    y = torch.bmm(_gather_rows(x, gather), lora_a.transpose(1, 2))  # [S, L, n_slices * R]
+    delta = torch.bmm(y, lora_b_bd).view(s * length, -1)  # [S * L, out]
+    return out.add_(torch.cat([delta, delta.new_zeros(1, delta.shape[1])]).index_select(0, inverse))
 
 
 # (slot, first row, end row) of each run of consecutive rows with one adapter (-1 left out).
@@ -179,10 +226,19 @@ def plan_rows(token_slots: np.ndarray, device: torch.device) -> StepRows:
     segments = [(s, torch.from_numpy(np.flatnonzero(token_slots == s)).to(device)) for s in present]
     if device.type != "cpu" or not present:
         return StepRows(slots, segments)
-    runs = runs_of(token_slots)
-    if np.count_nonzero(token_slots >= 0) >= LONG_RUN * len(runs):
+    runs = long_runs(token_slots)
+    if runs is not None:
         return StepRows(slots, segments, runs=runs)
     return StepRows(slots, segments, packed=pack_rows(token_slots, device))
+
+
+def long_runs(token_slots: np.ndarray) -> Runs | None:
+    """The step's runs of adapter rows when they are long (LONG_RUN rows on average: prefill
+    chunks), else None. Long runs are best added in place, run by run (`add_lora_runs`): on a CPU
+    that beats packing them, even inside a compiled graph, where gathering the rows and bringing
+    the products back costs more than the products (docs/benchmarks.md)."""
+    runs = runs_of(token_slots)
+    return runs if np.count_nonzero(token_slots >= 0) >= LONG_RUN * len(runs) else None
 
 
 def add_lora_step(
@@ -200,7 +256,8 @@ def add_lora_step(
     if rows.runs is not None:
         return add_lora_runs(out, x, lora_a, lora_b, [r for r in rows.runs if targeted(r[0])], slices)
     if rows.packed is not None and lora_b_bd is not None:
-        return add_lora_packed(out, x, lora_a, lora_b_bd, rows.packed)
+        p = rows.packed
+        return add_lora_packed(out, x, lora_a[p.window], lora_b_bd[p.window], p.gather, p.scatter)
     segments = [(s, r) for s, r in rows.segments if targeted(s)]
     return add_lora(out, x, lora_a, lora_b, rows.token_slots, slices, segments) if segments else out
 

@@ -191,6 +191,85 @@ def test_every_step_shape_runs_a_compiled_graph(target_model, package_cache):
     assert forward.eager_fallbacks == 0
 
 
+@pytest.fixture(scope="module")
+def lora_package_cache(target_model, tmp_path_factory) -> Path:
+    """A compile cache holding the target model's package with the LoRA graphs."""
+    cache = tmp_path_factory.mktemp("compiled-lora")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvscale.worker.cli", "compile", "--model", target_model,
+         "--compile-cache-dir", str(cache), "--enable-lora"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "compiling graph 5/5 (chunk_lora)" in done.stdout
+    return cache
+
+
+def test_decode_steps_with_adapters_run_the_lora_graph(
+    target_model, lora_package_cache, tmp_path_factory, monkeypatch
+):
+    """Issue 30 on the compiled forward: a batch mixing three adapters and the base model, and each
+    adapter alone at one stream, decode on the LoRA graphs (so do short steps mixing a prompt's
+    chunk with decodes; long prefill runs stay eager) with the same greedy tokens as the eager
+    forward. A base worker does not load a LoRA package (its key differs)."""
+    from test_lora_peft_parity import ATTENTION, MLP, make_adapter
+
+    from kvscale.worker import LoRARequest
+
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("lora-compiled")
+    fields = [
+        dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP),
+        dict(r=16, lora_alpha=16, target_modules=ATTENTION, use_rslora=True),
+        dict(r=4, lora_alpha=8, target_modules=MLP),
+    ]
+    adapters = [
+        LoRARequest(name, i + 1, str(make_adapter(Path(target_model), root / name, seed=i + 20, **f)))
+        for i, (name, f) in enumerate(zip("abc", fields, strict=True))
+    ]
+    lora_kw = dict(enable_lora=True, max_loras=3, max_lora_rank=16, **KW)
+    prompts = [[0, *range(30 + 7 * i, 50 + 11 * i)] for i in range(12)]
+    loras = [[*adapters, None][i % 4] for i in range(len(prompts))]
+
+    def run(llm: LLM) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        mixed = llm.generate(prompts, params, lora_request=loras)
+        alone = [llm.generate(prompts[:1], params, lora_request=a)[0] for a in adapters]
+        return [o.outputs[0].token_ids for o in [*mixed, *alone]]
+
+    eager = run(LLM(target_model, enforce_eager=True, **lora_kw))
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(lora_package_cache), **lora_kw)
+    forward = llm.engine.runner.model.compiled
+    assert isinstance(forward, CompiledForward) and forward.serves_lora
+    calls = []  # (graph, rows, slots in the window)
+    runners = dict(forward.runners)
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def boxed_run(self, inputs):
+            window = (
+                inputs[6 + 2 * llm.engine.runner.spec.num_layers].shape[0]
+                if self.name == "decode_lora"
+                else 0
+            )
+            calls.append((self.name, inputs[0].shape[0], window))
+            return runners[self.name].boxed_run(inputs)
+
+    forward.runners = {name: Spy(name) for name in runners}
+    assert run(llm) == eager
+    lora_calls = [(n, w) for g, n, w in calls if g == "decode_lora"]
+    assert max(n for n, _ in lora_calls) == 12 and (1, 1) in lora_calls  # the mixed batch; one stream
+    chunks = [n for g, n, _ in calls if g == "chunk_lora"]
+    assert max(chunks) > 12  # a step with more tokens than sequences: a short prefill chunk beside decodes
+    assert forward.eager_fallbacks == 0
+    # A base worker finds no package of its own there (and would build one behind: not here).
+    monkeypatch.setattr(model_runner, "compile_command", lambda *a: [sys.executable, "-c", "exit(3)"])
+    base = LLM(target_model, enforce_eager=False, compile_cache_dir=str(lora_package_cache), **KW)
+    assert base.engine.runner.model.compiled is None  # the LoRA package is not the base one's
+
+
 def gated_compile(folder: Path, gate: Path) -> list[str]:
     """A stand-in for `kvscale-worker compile` whose build ends when the test opens the gate, then
     names the real package: the switch lands where the test wants it."""

@@ -112,10 +112,36 @@ def test_packed_matches_row_by_row_and_leaves_base_rows_alone(name, slices, slot
     assert packed is not None
     x = torch.randn(len(slots), 48)
     base = torch.randn(len(slots), sum(s for _, s in slices))
-    got = lora.add_lora_packed(base.clone(), x, a, lora.block_diagonal(b, slices), packed)
+    bd = lora.block_diagonal(b, slices)
+    for packed in (lora.pack_rows(token_slots.numpy()), lora.pack_rows(token_slots.numpy(), for_graph=True)):
+        assert packed is not None
+        w = packed.window
+        for got in (
+            lora.add_lora_packed(base.clone(), x, a[w], bd[w], packed.gather, packed.scatter),
+            lora.add_lora_packed_graph(base.clone(), x, a[w], bd[w], packed.gather, packed.inverse),
+        ):
+            torch.testing.assert_close(
+                got, row_by_row(base, x, a, b, token_slots, slices), **TOL[torch.float32]
+            )
+            untouched = token_slots < 0
+            assert torch.equal(got[untouched], base[untouched])
+
+
+@pytest.mark.parametrize("slots", [[2], [3, 3, -1], [0, -1, 0, 0], [1, 2]])
+def test_packed_for_the_graph_takes_one_adapter_and_one_row_too(slots):
+    """The compiled LoRA graphs' packing: one slot and one row are packed too (a 1 x 1 batch); their
+    gather-back gives the same sums."""
+    slices = QKV
+    a, b = tables(4, 8, 48, slices, torch.float32, seed=3)
+    token_slots = torch.tensor(slots, dtype=torch.int64)
+    packed = lora.pack_rows(token_slots.numpy(), for_graph=True)
+    assert packed is not None and packed.window == slice(min(set(slots) - {-1}), max(slots) + 1)
+    x = torch.randn(len(slots), 48)
+    base = torch.randn(len(slots), sum(s for _, s in slices))
+    w = packed.window
+    bd = lora.block_diagonal(b, slices)[w]
+    got = lora.add_lora_packed_graph(base.clone(), x, a[w], bd, packed.gather, packed.inverse)
     torch.testing.assert_close(got, row_by_row(base, x, a, b, token_slots, slices), **TOL[torch.float32])
-    untouched = token_slots < 0
-    assert torch.equal(got[untouched], base[untouched])
 
 
 @pytest.mark.parametrize("name,slices,slots", PACKED_CASES, ids=[c[0] for c in PACKED_CASES])
@@ -139,7 +165,7 @@ def test_each_step_picks_its_way():
     prefill = lora.plan_rows(np.repeat([0, 3, 1, -1], [120, 200, 90, 50]), cpu)
     assert prefill.runs == [(0, 0, 120), (3, 120, 320), (1, 320, 410)] and prefill.packed is None
     decode = lora.plan_rows(np.arange(64) % 8, cpu)
-    assert decode.runs is None and decode.packed is not None and decode.packed.length == 8
+    assert decode.runs is None and decode.packed is not None and decode.packed.gather.shape == (8, 8)
     single = lora.plan_rows(np.full(10, 2), cpu)
     assert single.segments == [(2, None)] and single.runs is None and single.packed is None
     mixed = lora.plan_rows(np.concatenate([np.zeros(600, dtype=np.int64), np.arange(40) % 8]), cpu)
@@ -153,5 +179,5 @@ def test_packing_is_declined_where_it_would_not_pay():
     assert lora.pack_rows(np.array([2, 2, 2, -1])) is None  # one adapter: one matmul pair does it
     # A 512-row prefill chunk of slot 0 beside one decode row of slot 1: padding would double the work.
     assert lora.pack_rows(np.array([0] * 512 + [1])) is None
-    assert lora.pack_rows(np.array([0, 1] * 32)).length == 32
-    assert lora.pack_rows(np.array([0] * 40 + [1])).length == 40  # 39 padded rows: still pays
+    assert lora.pack_rows(np.array([0, 1] * 32)).gather.shape == (2, 32)
+    assert lora.pack_rows(np.array([0] * 40 + [1])).gather.shape == (2, 40)  # 39 padded rows: still pays

@@ -5,6 +5,7 @@
                          [--max-queued-requests N] [--drain-timeout S] [engine flags]
     kvscale-worker download hf://ORG/NAME[@REVISION] --dest DIR [--termination-log PATH] [--check]
     kvscale-worker compile [--model PATH] [--dtype D] [--block-size N] [--compile-cache-dir DIR]
+                           [--enable-lora]
 
 Without --model it builds (once, in ~/.cache/kvscale) a tiny random Llama with a locally trained
 tokenizer, so the command works on a fresh machine with no download.
@@ -183,6 +184,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         cache_dir,
         force=args.force,
         progress=say,
+        lora=args.enable_lora,
     )
     seconds = time.monotonic() - started
     say(f"{'compiled' if built else 'found'} in {seconds:.1f} s, package: {folder}")
@@ -286,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--nice", type=int, default=0, help="run at this niceness (0-19)")
     comp.add_argument("--force", action="store_true", help="build even if a package is there")
+    comp.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="the package of a worker serving LoRA adapters (one more graph: decode steps with adapters)",
+    )
     comp.set_defaults(func=cmd_compile)
 
     dl = sub.add_parser(

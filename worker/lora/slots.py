@@ -8,6 +8,10 @@ and copies the new one in, padded to the table's rank with zeros (exact: padding
 `LoRABatch`: a step's per-token slot indices, the rows of each adapter present and how they run
 (kernels/lora.plan_rows: computed once per step, read by every layer), applied after each
 projection: `out += x @ A[slot].T @ B[slot].T`.
+
+`PackedLoRA`: the same products inside the compiled LoRA graphs (model/aot_package.py's
+`decode_lora` and `chunk_lora`), from tensors alone: the packed rows and the slot tables of their
+window, which `LoRASlotTable.graph_inputs` lays out flat, as the graphs take them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ import numpy as np
 import torch
 
 from kvscale.kernels.dispatch import add_lora
-from kvscale.kernels.lora import StepRows, block_diagonal, plan_rows
-from kvscale.worker.lora.adapter import LoRAAdapter, projection_shapes
+from kvscale.kernels.lora import (
+    StepRows,
+    add_lora_packed_graph,
+    block_diagonal,
+    long_runs,
+    pack_rows,
+    plan_rows,
+)
+from kvscale.worker.lora.adapter import LoRAAdapter, ProjectionShape, projection_shapes
 
 
 class LoRASlotTable:
@@ -58,6 +69,7 @@ class LoRASlotTable:
             ]
         # Per slot: the (layer, projection) pairs its adapter targets (the others stay zero).
         self.targets: list[frozenset[tuple[int, str]]] = [frozenset()] * max_loras
+        self.eager_steps = 0  # steps whose adapter rows ran on the eager forward (`batch`)
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +95,28 @@ class LoRASlotTable:
         self.targets[slot] = frozenset(adapter.weights)
 
     def batch(self, token_slots: np.ndarray) -> LoRABatch:
-        """A step's view: token_slots[t] is row t's slot (-1: the base model alone)."""
+        """A step's view for the eager forward: token_slots[t] is row t's slot (-1: the base model)."""
+        self.eager_steps += 1
         return LoRABatch(self, plan_rows(token_slots, self.device))
+
+    def graph_inputs(self, token_slots: np.ndarray) -> list[torch.Tensor] | None:
+        """A step's adapter rows as the compiled LoRA graphs take them (PackedLoRA reads them back):
+        the rows' gather and inverse, then per layer and projection the window's A and
+        block-diagonal B, views of the tables (no copy). None when packing would not pay
+        (kernels/lora.pack_rows), and for long runs of rows (prefill chunks), which run faster in
+        place, eagerly (kernels/lora.long_runs)."""
+        if long_runs(token_slots) is not None:
+            return None
+        packed = pack_rows(token_slots, self.device, for_graph=True)
+        if packed is None:
+            return None
+        w = packed.window
+        flat = [packed.gather, packed.inverse]
+        assert self.b_bd is not None  # the compiled graphs are the CPU's
+        for a, b_bd in zip(self.a, self.b_bd, strict=True):
+            for p in self.shapes:
+                flat += (a[p][w], b_bd[p][w])
+        return flat
 
 
 @dataclass
@@ -106,3 +138,21 @@ class LoRABatch:
             t.b_bd[layer][projection] if t.b_bd is not None else None,
             self.rows, list(t.shapes[projection].slices), targeted,
         )  # fmt: skip
+
+
+class PackedLoRA:
+    """The LoRA products inside the compiled LoRA graphs: every projection's from the packed rows
+    (kernels/lora.add_lora_packed_graph) and its window of the slot tables, all graph inputs. An
+    adapter without a projection has zero tables there: it adds zeros, as the eager packed path does."""
+
+    def __init__(self, flat: list[torch.Tensor], shapes: dict[str, ProjectionShape]) -> None:
+        self.gather, self.inverse = flat[0], flat[1]
+        per_layer = 2 * len(shapes)
+        self.tables = [
+            {p: (flat[i + 2 * j], flat[i + 2 * j + 1]) for j, p in enumerate(shapes)}
+            for i in range(2, len(flat), per_layer)
+        ]
+
+    def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
+        a, b_bd = self.tables[layer][projection]
+        add_lora_packed_graph(out, x, a, b_bd, self.gather, self.inverse)

@@ -8,7 +8,12 @@ one per graph (see compilation.py):
 - `decoden`: a decode step of 2+ sequences, attention inside the graph (dynamic batch, context and
   pool size);
 - `chunk`: everything else (prefill chunks, speculative verification, spread-out decodes), 2+
-  tokens, attention as the opaque `kvscale::unified_attention` op.
+  tokens, attention as the opaque `kvscale::unified_attention` op;
+- `decode_lora` and `chunk_lora`, in the packages of workers with `--enable-lora` alone (their key
+  says `lora`): `decoden` (from one sequence) and `chunk` again for steps whose rows mix LoRA
+  adapters and the base model, the adapters' products packed (kernels/lora.add_lora_packed) from
+  the window of slot tables the step uses, passed in as inputs, so that neither max_loras nor the
+  rank is built in.
 
 The packages hold code, not weights (`package_constants_in_so=False`): a worker hands its own
 parameters to the loaded runners (`user_managed`, no copy), so one package serves every checkpoint
@@ -50,6 +55,7 @@ logger = logging.getLogger(__name__)
 # Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
 FORMAT_VERSION = 1
 GRAPHS = ("decode1", "decoden", "chunk")
+LORA_GRAPHS = ("decode_lora", "chunk_lora")
 KEY_FILE = "key.json"
 COMPILE_CACHE_ENV = "KVSCALE_COMPILE_CACHE"
 # Packages that come with the installation (the worker image builds the default model's here).
@@ -114,10 +120,15 @@ def required_cpu_flags(arch_flags: str) -> list[str]:
     return sorted(set(out))
 
 
-def artefact_key(spec, dtype: torch.dtype, block_size: int) -> dict:
-    """What a package is for: the model's shape, dtype, block size, torch and the CPU's capability.
+def graphs_of(key: dict) -> tuple[str, ...]:
+    return (*GRAPHS, *LORA_GRAPHS) if key.get("lora") else GRAPHS
+
+
+def artefact_key(spec, dtype: torch.dtype, block_size: int, lora: bool = False) -> dict:
+    """What a package is for: the model's shape, dtype, block size, torch and the CPU's capability,
+    and whether it has the LoRA graphs (only then in the key: the base packages' digests stay).
     Its digest names the package's folder."""
-    return {
+    return ({"lora": True} if lora else {}) | {
         "format": FORMAT_VERSION,
         "model": dataclasses.asdict(spec),
         "dtype": str(dtype).removeprefix("torch."),
@@ -134,7 +145,7 @@ def key_digest(key: dict) -> str:
 def refusal(saved: dict, wanted: dict, host_flags: frozenset[str]) -> str | None:
     """Why a package whose key file says `saved` must not be loaded where `wanted` is this worker's
     key and host_flags this CPU's flags; None: it may. Pure."""
-    for field in ("format", "torch", "cpu_capability", "dtype", "block_size", "model"):
+    for field in ("format", "torch", "cpu_capability", "dtype", "block_size", "model", "lora"):
         if saved.get(field) != wanted.get(field):
             return f"built for {field} {saved.get(field)!r}, this worker has {wanted.get(field)!r}"
     missing = sorted(set(saved.get("cpu_flags", [])) - host_flags)
@@ -154,7 +165,8 @@ def package_folder(cache_dir: Path, key: dict, cpu_flags: list[str]) -> Path:
 
 def _unusable(folder: Path, wanted: dict, host: frozenset[str]) -> str | None:
     """Why the package in folder cannot be loaded here (incomplete, unreadable, `refusal`), or None."""
-    if not ((folder / KEY_FILE).is_file() and all((folder / f"{g}.pt2").is_file() for g in GRAPHS)):
+    graphs = graphs_of(wanted)
+    if not ((folder / KEY_FILE).is_file() and all((folder / f"{g}.pt2").is_file() for g in graphs)):
         return "incomplete"
     try:
         saved = json.loads((folder / KEY_FILE).read_text())
@@ -186,21 +198,41 @@ def find_package(key: dict, dirs: list[Path], host_flags: frozenset[str] | None 
 
 
 # -- building -----------------------------------------------------------------------------------
+def _wrappers(model) -> dict[str, torch.nn.Module]:
+    decode = _Decode(model)
+    chunk = _Chunk(model)
+    return {"decode1": decode, "decoden": decode, "chunk": chunk, "decode_lora": decode, "chunk_lora": chunk}
+
+
 class _Decode(torch.nn.Module):
-    """forward_tokens with attention in the graph, over flat inputs (AOTInductor takes tensors)."""
+    """forward_tokens with attention in the graph, over flat inputs (AOTInductor takes tensors):
+    after the KV caches, for decode_lora, LoRASlotTable.graph_inputs' tensors."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.m = model
 
-    def forward(self, input_ids, positions, cos, sin, block_tables, seq_lens, *kv):
+    def forward(self, input_ids, positions, cos, sin, block_tables, seq_lens, *rest):
         from kvscale.worker.model.llama import DecodeInputs
 
+        kv, lora = rest[: 2 * self.m.spec.num_layers], rest[2 * self.m.spec.num_layers :]
         caches = [(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
         hidden, new_kv = self.m.forward_tokens(
-            input_ids, positions, DecodeInputs(block_tables, seq_lens, caches), rope=(cos, sin)
+            input_ids,
+            positions,
+            DecodeInputs(block_tables, seq_lens, caches),
+            rope=(cos, sin),
+            lora=_packed_lora(self.m, lora),
         )
         return hidden, *(t for pair in new_kv for t in pair)
+
+
+def _packed_lora(model, inputs: tuple):
+    """The LoRA graphs' trailing inputs as the layers apply them (None: a base-model graph)."""
+    from kvscale.worker.lora.adapter import projection_shapes
+    from kvscale.worker.lora.slots import PackedLoRA
+
+    return PackedLoRA(list(inputs), projection_shapes(model.spec)) if inputs else None
 
 
 class _Chunk(torch.nn.Module):
@@ -210,8 +242,8 @@ class _Chunk(torch.nn.Module):
         super().__init__()
         self.m = model
 
-    def forward(self, input_ids, positions, cos, sin):
-        return self.m.forward_tokens(input_ids, positions, rope=(cos, sin))
+    def forward(self, input_ids, positions, cos, sin, *lora):
+        return self.m.forward_tokens(input_ids, positions, rope=(cos, sin), lora=_packed_lora(self.m, lora))
 
 
 def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
@@ -224,10 +256,14 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
     cos = torch.zeros(64, rot)
     sin = torch.zeros(64, rot)
     rope_dim = Dim("positions", min=2)
-    if graph == "chunk":
+    if graph in ("chunk", "chunk_lora"):
         t = Dim("tokens", min=2)
         ids = torch.zeros(5, dtype=torch.long)
-        return (ids, ids.clone(), cos, sin), ({0: t}, {0: t}, {0: rope_dim}, {0: rope_dim})
+        dims = ({0: t}, {0: t}, {0: rope_dim}, {0: rope_dim})
+        if graph == "chunk":
+            return (ids, ids.clone(), cos, sin), dims
+        lora, lora_dims = _example_lora_inputs(model, dtype, 5, t)
+        return (ids, ids.clone(), cos, sin, *lora), (*dims, tuple(lora_dims))  # *lora: one
     batch = 1 if graph == "decode1" else 3
     blocks = Dim("blocks", min=2)
     pool = Dim("pool", min=2)
@@ -237,10 +273,37 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
     ids = torch.zeros(batch, dtype=torch.long)
     tables = torch.zeros(batch, 3, dtype=torch.long)
     lens = torch.ones(batch, dtype=torch.long)
-    b = None if batch == 1 else Dim("batch", min=2)
+    # decode_lora takes a single sequence too (one stream on an adapter): batch from 1.
+    b = None if batch == 1 else Dim("batch", min=1 if graph == "decode_lora" else 2)
     per_seq = {} if b is None else {0: b}
     dims = (per_seq, per_seq, {0: rope_dim}, {0: rope_dim}, {**per_seq, 1: blocks}, per_seq)
-    return (ids, ids.clone(), cos, sin, tables, lens, *kv), (*dims, tuple({1: pool} for _ in kv))  # *kv: one
+    rest, rest_dims = kv, [{1: pool} for _ in kv]
+    if graph == "decode_lora":
+        lora, lora_dims = _example_lora_inputs(model, dtype, batch, b)
+        rest, rest_dims = rest + lora, rest_dims + lora_dims
+    return (ids, ids.clone(), cos, sin, tables, lens, *rest), (*dims, tuple(rest_dims))  # *rest: one
+
+
+def _example_lora_inputs(model, dtype: torch.dtype, num_tokens: int, tokens):
+    """LoRASlotTable.graph_inputs' tensors for tracing: 3 slots of 5 rows each, rank 7, and their
+    dynamic dimensions (the window's slots, rows per slot, the tables' rank; `tokens`: the step's)."""
+    from torch.export import Dim
+
+    from kvscale.worker.lora.adapter import projection_shapes
+
+    slots, length, rank = Dim("lora_slots", min=1), Dim("lora_rows", min=1), 7
+    gather, inverse = torch.zeros(3, 5, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long)
+    flat, dims = [gather, inverse], [{0: slots, 1: length}, {0: tokens}]
+    shapes = projection_shapes(model.spec)
+    r = Dim("lora_rank", min=1)
+    for _ in range(model.spec.num_layers):
+        for s in shapes.values():
+            n = len(s.slices)
+            flat += (torch.zeros(3, n * rank, s.in_features, dtype=dtype),
+                     torch.zeros(3, n * rank, s.out_features, dtype=dtype))  # fmt: skip
+            stacked = n * r if n > 1 else r
+            dims += ({0: slots, 1: stacked}, {0: slots, 1: stacked})
+    return flat, dims
 
 
 def cpu_arch_flags() -> str:
@@ -252,34 +315,41 @@ def cpu_arch_flags() -> str:
 
 
 def build_package(
-    model, dtype: torch.dtype, block_size: int, cache_dir: Path, progress=print, replace: bool = False
+    model,
+    dtype: torch.dtype,
+    block_size: int,
+    cache_dir: Path,
+    progress=print,
+    replace: bool = False,
+    lora: bool = False,
 ) -> Path:
-    """Export and compile the three graphs of `model` (weights need not be loaded) into
+    """Export and compile the graphs of `model` (weights need not be loaded; `lora`: decode_lora too) into
     cache_dir/<digest>-<flags>, written aside and renamed into place: workers sharing the folder (a
     PVC) never see half a package, and of two building at once the first rename wins and the second
     drops its copy (the same package). A package already there for this CPU is replaced only when it
     cannot be loaded, or with `replace`. Returns the folder."""
     import torch._inductor.config as inductor_config
 
-    key = artefact_key(model.spec, dtype, block_size)
+    key = artefact_key(model.spec, dtype, block_size, lora)
+    graphs = graphs_of(key)
     arch = cpu_arch_flags()
     # The vector ISA's flags alone, not -march=native: the code must run on every CPU that has them.
     inductor_config.cpp.march = ""
     inductor_config.cpp.dynamic_threads = True  # the OpenMP thread count is read at run time
     key["cpu_flags"] = required_cpu_flags(arch)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    final = package_folder(cache_dir, artefact_key(model.spec, dtype, block_size), key["cpu_flags"])
+    final = package_folder(cache_dir, artefact_key(model.spec, dtype, block_size, lora), key["cpu_flags"])
     # Beside the final folder, on the same filesystem, so the rename is atomic (a shared volume).
     scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
     scratch.chmod(0o755)  # mkdtemp's 0700 would hide it from replicas running as another user
     try:
-        wrappers = {"decode1": _Decode(model), "decoden": _Decode(model), "chunk": _Chunk(model)}
-        for i, graph in enumerate(GRAPHS):
+        wrappers = _wrappers(model)
+        for i, graph in enumerate(graphs):
             started = time.monotonic()
             args, dynamic = _example_inputs(model, dtype, block_size, graph)
             with torch.inference_mode():
                 exported = torch.export.export(wrappers[graph], args, dynamic_shapes=dynamic)
-            step = f"compiling graph {i + 1}/{len(GRAPHS)} ({graph})"
+            step = f"compiling graph {i + 1}/{len(graphs)} ({graph})"
             progress(f"{step}: exported in {time.monotonic() - started:.1f} s")
             torch._inductor.aoti_compile_and_package(
                 exported,
@@ -288,7 +358,7 @@ def build_package(
             )
             progress(f"{step}: done in {time.monotonic() - started:.1f} s")
         (scratch / KEY_FILE).write_text(json.dumps(key, indent=1, sort_keys=True))
-        wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size)))
+        wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size, lora)))
         if final.exists() and (replace or _unusable(final, wanted, cpu_flags()) is not None):
             # Ours, for this CPU, yet not loadable (a torn copy) or a forced rebuild: set aside, replaced.
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -310,19 +380,20 @@ class PackageRefused(Exception):
     """A package that must not be loaded here (built for other CPU features or another torch)."""
 
 
-def load_package(folder: Path, model, dtype: torch.dtype, block_size: int):
-    """The three runners of a package, with this model's parameters as their constants (no copy).
+def load_package(folder: Path, model, dtype: torch.dtype, block_size: int, lora: bool = False):
+    """The runners of a package, with this model's parameters as their constants (no copy).
     Raises PackageRefused when its key file does not fit this worker and machine."""
     from torch.export.pt2_archive._package import AOTICompiledModel
 
     saved = json.loads((folder / KEY_FILE).read_text())
-    wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size)))  # tuples as JSON has them
+    # tuples as JSON has them
+    wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size, lora)))
     reason = refusal(saved, wanted, cpu_flags())
     if reason is not None:
         raise PackageRefused(f"{folder}: {reason}")
     runners = {}
-    wrappers = {"decode1": _Decode(model), "decoden": _Decode(model), "chunk": _Chunk(model)}
-    for graph in GRAPHS:
+    wrappers = _wrappers(model)
+    for graph in graphs_of(wanted):
         # The loader itself (torch._inductor.aoti_load_package also probes the vector ISA by
         # compiling test programs, seconds of g++ for a warning; refusal() has checked the CPU).
         loader = torch._C._aoti.AOTIModelPackageLoader(
@@ -331,17 +402,23 @@ def load_package(folder: Path, model, dtype: torch.dtype, block_size: int):
         runner = AOTICompiledModel(loader)
         named = dict(wrappers[graph].named_parameters(remove_duplicate=False))
         named.update(wrappers[graph].named_buffers(remove_duplicate=False))
-        wanted = runner.get_constant_fqns()
-        unknown = [name for name in wanted if name not in named]
+        constants = runner.get_constant_fqns()
+        unknown = [name for name in constants if name not in named]
         if unknown:
             raise PackageRefused(f"{folder}: {graph} wants constants this model lacks: {unknown[:4]}")
-        runner.load_constants({n: named[n] for n in wanted}, check_full_update=True, user_managed=True)
+        runner.load_constants({n: named[n] for n in constants}, check_full_update=True, user_managed=True)
         runners[graph] = loader
     return runners
 
 
 def build_for_model(
-    model_path: str, dtype_name: str, block_size: int, cache_dir: Path, force: bool = False, progress=print
+    model_path: str,
+    dtype_name: str,
+    block_size: int,
+    cache_dir: Path,
+    force: bool = False,
+    progress=print,
+    lora: bool = False,
 ) -> tuple[Path, bool]:
     """The package for a model folder (its config alone: no weight is read), built unless one for
     this machine is already in cache_dir. Returns (folder, whether it was built now)."""
@@ -356,14 +433,17 @@ def build_for_model(
     model.tie_weights()
     allocate_parameters(model, cpu, dtype)  # never written: the package holds code, not weights
     model.init_rope(cpu)
-    key = artefact_key(model.spec, dtype, block_size)
+    key = artefact_key(model.spec, dtype, block_size, lora)
     found = find_package(key, [cache_dir])
     if found is not None and not force:
         try:
-            load_package(found, model, dtype, block_size)
+            load_package(found, model, dtype, block_size, lora)
             return found, False
         except Exception as e:  # a torn or foreign package under this CPU's name: replaced
             progress(f"cannot load {found} ({e}); compiling anew")
             force = True
-    progress(f"compiling the forward of {model_path} ({dtype}, block size {block_size}) into {cache_dir}")
-    return build_package(model, dtype, block_size, cache_dir, progress, replace=force), True
+    what = " with the LoRA graphs" if lora else ""
+    progress(
+        f"compiling the forward of {model_path}{what} ({dtype}, block size {block_size}) into {cache_dir}"
+    )
+    return build_package(model, dtype, block_size, cache_dir, progress, replace=force, lora=lora), True

@@ -20,6 +20,12 @@ keeps the backend's length buckets. Three graphs cover every step (aot_package.p
 
 A step no graph covers (a lone 1-token chunk that is not a decode) runs eagerly and is counted.
 
+With `--enable-lora` the package has two more graphs, the decode-only one and the chunk one again
+with the adapters' products packed inside (aot_package.py's decode_lora and chunk_lora), for steps
+whose rows mix adapters and the base model. A step whose adapter rows would not pack without too
+much padding (kernels/lora.pack_rows: a long prefill chunk beside a few rows of another adapter)
+runs eagerly.
+
 Start-up (ModelRunner): a package for this model, dtype, block size, torch and CPU found in the
 compile cache or shipped with the installation is loaded before Ready (a fraction of a second);
 otherwise the worker turns Ready on the eager forward and `kvscale-worker compile` builds the
@@ -39,6 +45,8 @@ import os
 import shutil
 
 import torch
+
+from kvscale.worker.model.aot_package import LORA_GRAPHS
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +105,21 @@ def compile_decision(
 
 
 class CompiledForward:
-    """`forward_tokens(input_ids, positions, decode)` through a package's three AOTInductor runners
+    """`forward_tokens(input_ids, positions, decode)` through a package's AOTInductor runners
     (aot_package.load_package); the model's rotary tables are passed in on every call."""
 
     def __init__(self, model, runners: dict) -> None:
         self.model = model
         self.runners = runners
         self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
+        self.lora_steps = 0  # decode steps with adapter rows on the LoRA graph
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, decode=None):
+    @property
+    def serves_lora(self) -> bool:
+        return all(g in self.runners for g in LORA_GRAPHS)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, decode=None, lora=None):
+        """lora: LoRASlotTable.graph_inputs' tensors, for a step with adapter rows."""
         model = self.model
         n = input_ids.shape[0]
         if decode is not None:
@@ -119,8 +133,17 @@ class CompiledForward:
             ]
             for k, v in decode.kv_caches:
                 inputs += (k, v)
-            out = self.runners["decode1" if n == 1 else "decoden"].boxed_run(inputs)
+            if lora is not None:
+                self.lora_steps += 1
+                out = self.runners["decode_lora"].boxed_run(inputs + lora)
+            else:
+                out = self.runners["decode1" if n == 1 else "decoden"].boxed_run(inputs)
             return out[0], [(out[i], out[i + 1]) for i in range(1, len(out), 2)]
+        if lora is not None:
+            self.lora_steps += 1
+            return self.runners["chunk_lora"].boxed_run(
+                [input_ids, positions, model.rope_cos, model.rope_sin, *lora]
+            )[0]
         if n < 2:
             self.eager_fallbacks += 1
             logger.warning("a step of %d tokens matched no compiled graph; it runs eagerly", n)

@@ -22,11 +22,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
-def compile_command(model: str, dtype: str, block_size: int, cache_dir: Path, nice: int) -> list[str]:
+def compile_command(
+    model: str, dtype: str, block_size: int, cache_dir: Path, nice: int, lora: bool = False
+) -> list[str]:
     return [
         sys.executable, "-m", "kvscale.worker.cli", "--log-format", "text", "compile",
         "--model", model, "--dtype", dtype, "--block-size", str(block_size),
         "--compile-cache-dir", str(cache_dir), "--nice", str(nice),
+        *(["--enable-lora"] if lora else []),
     ]  # fmt: skip
 
 

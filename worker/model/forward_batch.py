@@ -138,7 +138,8 @@ def forward_logits(
 ) -> torch.Tensor:
     """One forward over the chunks; logits of the last num_logits[i] tokens of each, chunk after
     chunk. Decode-only steps replay `graphs` (a CUDAGraphRunner) when it can run them. A step with
-    LoRA rows (chunks with a lora_slot, whose adapters are in `lora_table`'s slots) runs eagerly."""
+    LoRA rows (chunks with a lora_slot, whose adapters are in `lora_table`'s slots) runs the
+    compiled forward's LoRA graphs where its rows pack (kernels/lora.pack_rows), else eagerly."""
     batch = build_forward_batch(chunks, block_size, device)
     if token_fill is not None:
         filled, tokens = token_fill
@@ -148,12 +149,19 @@ def forward_logits(
         batch.input_ids[batch.last_token_rows(last)] = tokens
     common = batch.common
     compiled = getattr(model, "compiled", None)  # read once: the whole step takes one forward
-    if batch.lora_slots is not None:
-        lora = lora_table.batch(batch.lora_slots)
-        hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(common), lora)
+    in_graph = compiled is not None and in_graph_decode(common)
+    lora = None  # the step's adapter rows as the compiled LoRA graphs take them
+    lora_graph = compiled is not None and compiled.serves_lora and (in_graph or len(batch.input_ids) > 1)
+    if batch.lora_slots is not None and lora_graph:
+        lora = lora_table.graph_inputs(batch.lora_slots)
+    if batch.lora_slots is not None and lora is None:
+        eager_lora = lora_table.batch(batch.lora_slots)
+        hidden = model(
+            batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(common), eager_lora
+        )
     elif graphs is not None and graphs.can_run(common):
         hidden = graphs.run(batch.input_ids, batch.positions, common)
-    elif compiled is not None and in_graph_decode(common):
+    elif in_graph:
         # Decode-only on the compiled CPU forward: attention inside the graph. Two block columns at
         # least, so that no context length makes a size-1 dimension (which the graph specialises).
         tables = common.block_tables
@@ -167,9 +175,12 @@ def forward_logits(
             common.seq_lens,
             common.slot_mapping,
             compiled,
+            lora,
         )
     else:
-        hidden = model(batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(batch.common))
+        hidden = model(
+            batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(common), lora_inputs=lora
+        )
     if not batch.all_rows_in_order(num_logits):
         hidden = hidden[batch.last_token_rows(num_logits)]
     return model.compute_logits(hidden)

@@ -268,14 +268,18 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         attn_metadata: object,
         lora=None,
+        lora_inputs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states of the flat batch. Attention reaches the backend, its plan and the
         caches through the forward context; the rest is a function of the tokens and positions only,
-        which `compiled` (model/compilation.py) may replace with its compiled version. A step with
-        LoRA rows (`lora`) runs eagerly: the compiled graphs hold the base model alone."""
+        which `compiled` (model/compilation.py) may replace with its compiled version. The step's
+        LoRA rows: `lora` (a LoRABatch) for the eager forward, or `lora_inputs` for the compiled
+        one's LoRA graph (LoRASlotTable.graph_inputs)."""
         with set_forward_context(backend, attn_metadata, kv_caches):
             if lora is not None:
                 return self.forward_tokens(input_ids, positions, lora=lora)
+            if lora_inputs is not None:
+                return self.compiled(input_ids, positions, lora=lora_inputs)
             return (self.compiled or self.forward_tokens)(input_ids, positions)
 
     def forward_decode(
@@ -287,12 +291,14 @@ class LlamaForCausalLM(nn.Module):
         seq_lens: torch.Tensor,
         slot_mapping: torch.Tensor,
         compiled=None,
+        lora: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """A decode-only step through the compiled graph with attention inside it; the step's keys
         and values are written to the cache after it (model/compilation.py). `compiled`: the
-        compiled forward the caller chose for the step (default: the model's)."""
+        compiled forward the caller chose for the step (default: the model's); `lora`: the step's
+        adapter rows as the LoRA graphs take them (LoRASlotTable.graph_inputs)."""
         decode = DecodeInputs(block_tables, seq_lens, kv_caches)
-        hidden, new_kv = (compiled or self.compiled)(input_ids, positions, decode)
+        hidden, new_kv = (compiled or self.compiled)(input_ids, positions, decode, lora)
         for (k_cache, v_cache), (k, v) in zip(kv_caches, new_kv, strict=True):
             write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return hidden

@@ -218,7 +218,7 @@ class ModelRunner:
         cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
         private = private_cache_dir()
         problem = unwritable(cache_dir)
-        key = artefact_key(self.spec, self.dtype, self.block_size)
+        key = artefact_key(self.spec, self.dtype, self.block_size, args.enable_lora)
         # The private cache is where this worker builds when the compile cache is read-only, so it
         # is searched only then (a container restarted in the same pod finds its own build): with
         # a writable cache, a package left there by other runs must not stand in for the cache's.
@@ -252,7 +252,9 @@ class ModelRunner:
             )  # fmt: skip
             cache_dir = private
         dtype = str(self.dtype).removeprefix("torch.")
-        command = compile_command(args.model, dtype, self.block_size, cache_dir, args.compile_nice)
+        command = compile_command(
+            args.model, dtype, self.block_size, cache_dir, args.compile_nice, args.enable_lora
+        )
         logger.info(
             "serving with the eager forward while the compiled one is built (kvscale-worker compile, "
             "nice %d, into %s; later starts load it)", args.compile_nice, cache_dir,
@@ -267,7 +269,8 @@ class ModelRunner:
             self.compile_seconds = self.compiler_seconds
 
     def _load_package(self, folder: Path) -> CompiledForward:
-        return CompiledForward(self.model, load_package(folder, self.model, self.dtype, self.block_size))
+        runners = load_package(folder, self.model, self.dtype, self.block_size, self.lora is not None)
+        return CompiledForward(self.model, runners)
 
     def maybe_switch(self) -> None:
         """Install the compiled forward built behind, if it is ready: called by the engine thread
