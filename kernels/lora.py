@@ -127,16 +127,18 @@ def add_lora_packed(
     slots alone and B as block_diagonal gives it: one bmm shrinks every adapter's rows, one expands
     them into every slice, one index_add_ adds them to their rows (5 ops whatever the number of
     adapters: the eager CPU path's way)."""
-    s, length = gather.shape
-    y = torch.bmm(_gather_rows(x, gather), lora_a.transpose(1, 2))  # [S, L, n_slices * R]
-    delta = torch.bmm(y, lora_b_bd)  # [S, L, out]
-    return out.index_add_(0, scatter.flatten(), delta.view(s * length, -1))
+    return out.index_add_(0, scatter.flatten(), _packed_products(x, lora_a, lora_b_bd, gather))
 
 
-def _gather_rows(x: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
-    """[S, L, in]: x's rows as gather lays them out, the padding (index T) a zero row."""
+def _packed_products(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b_bd: torch.Tensor, gather: torch.Tensor
+) -> torch.Tensor:
+    """[S * L, out]: every packed position's x @ A.T @ B.T (zeros for padding, which gathers an
+    appended zero row): one bmm shrinks, one expands every slice."""
     s, length = gather.shape
-    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, gather.flatten()).view(s, length, -1)
+    xs = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, gather.flatten()).view(s, length, -1)
+    y = torch.bmm(xs, lora_a.transpose(1, 2))  # [S, L, n_slices * R]
+    return torch.bmm(y, lora_b_bd).view(s * length, -1)
 
 
 # Graph padding: inside a compiled graph a padded row costs its rank-sized products alone, while a
@@ -157,9 +159,7 @@ def add_lora_packed_graph(
     scatter, whose padding positions (all into row 0) its loop would add one by one. B stays
     block-diagonal: at decode sizes a bmm call costs more than the zeros it multiplies (measured:
     one bmm per slice made the decode steps slower). lora_a, lora_b_bd: the packed window's slots."""
-    s, length = gather.shape
-    y = torch.bmm(_gather_rows(x, gather), lora_a.transpose(1, 2))  # [S, L, n_slices * R]
-    delta = torch.bmm(y, lora_b_bd).view(s * length, -1)  # [S * L, out]
+    delta = _packed_products(x, lora_a, lora_b_bd, gather)
     return out.add_(torch.cat([delta, delta.new_zeros(1, delta.shape[1])]).index_select(0, inverse))
 
 
