@@ -81,6 +81,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV events for routers (docs/router.md): vLLM's --kv-events-config JSON, e.g.
+    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    #  "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}
+    kv_events_config: str | None = None
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0

@@ -26,6 +26,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvscale.worker.core.kv_events import KVEventRecorder
+
 BlockHash = bytes  # a 32-byte SHA-256 digest
 
 
@@ -59,7 +61,9 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventRecorder | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -71,6 +75,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._index: dict[BlockHash, KVCacheBlock] = {}  # the prefix-cache index
         self._num_used = 0
+        self.events = events  # told of every hash leaving the index (KV events, kv_events.py)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -169,6 +174,8 @@ class BlockPool:
     def _uncache(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._index[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscale.worker.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, root_hash
+from kvscale.worker.core.kv_events import KVEventRecorder
 from kvscale.worker.core.request import Request
 
 
@@ -25,10 +26,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: KVEventRecorder | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.events = events  # told of every block indexed and removed (KV events, kv_events.py)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are already in the prefix-cache index.
@@ -125,10 +133,30 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         blocks, hashes = self.req_to_blocks[rid], request.block_hashes
+        stored: list[int] = []  # the blocks indexed now, for the KV events
         for i in range(start, end):
             if self.block_pool.cache_block(blocks[i], hashes[i]):
                 self._newly_cached.append((rid, blocks[i], hashes[i]))
+                stored.append(i)
         self.num_hashed_blocks[rid] = end
+        if self.events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks (a block another request indexed first
+        is not this request's to announce, and splits the run)."""
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+        run_start = indices[0]
+        for k, i in enumerate(indices):
+            if k + 1 < len(indices) and indices[k + 1] == i + 1:
+                continue
+            parent = hashes[run_start - 1] if run_start > 0 else None
+            self.events.stored(
+                hashes[run_start : i + 1], parent, tokens[run_start * bs : (i + 1) * bs], lora_id
+            )
+            if k + 1 < len(indices):
+                run_start = indices[k + 1]
 
     def take_newly_cached(self) -> list[NewlyCached]:
         """The blocks indexed since the last call (the scheduler hands them to its step)."""

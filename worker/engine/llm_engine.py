@@ -23,10 +23,12 @@ import torch
 
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
+from kvscale.worker.core.kv_events import KVEventRecorder
 from kvscale.worker.core.request import Request, RequestStatus
 from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
+from kvscale.worker.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
 from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
 from kvscale.worker.lora.adapter import LoRAAdapter
 from kvscale.worker.lora.manager import LoRAStats
@@ -159,8 +161,17 @@ class LLMEngine:
         self.default_sampling_params = load_generation_defaults(args.model)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.spec.vocab_size
+        # KV events (core/kv_events.py): recorded by the cache as it indexes and evicts blocks,
+        # published after each step by a thread of their own.
+        self.kv_events: ZmqEventPublisher | None = None
+        recorder = None
+        config = KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
+        if config is not None and config.enabled:
+            medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
+            recorder = KVEventRecorder(args.block_size, medium)
+            self.kv_events = ZmqEventPublisher(config)
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching, recorder
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -421,6 +432,10 @@ class LLMEngine:
         """One step (_step), timed for the metrics with the forward it ran."""
         started = time.perf_counter()
         outputs = self._step()
+        if self.kv_events is not None:
+            events = self.kv_cache_manager.events.take()
+            if events:
+                self.kv_events.publish(events)
         if self._launched:
             self._launched = False
             self._stats.step_times.append((self.runner.forward_kind, time.perf_counter() - started))
@@ -582,6 +597,9 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is not None and not keep_compiling:
             runner.stop_compile()
+        publisher, self.kv_events = getattr(self, "kv_events", None), None
+        if publisher is not None:
+            publisher.close()
         driver, self.tp_driver = self.tp_driver, None
         if driver is not None:
             driver.shutdown()

@@ -1,0 +1,160 @@
+"""Publishing KV events (core/kv_events.py) over ZeroMQ as vLLM does (`--kv-events-config`,
+vLLM's keys), so that routers (ours, llm-d's indexer) subscribe to workers unchanged.
+
+Wire format (vLLM's ZmqEventPublisher):
+- a PUB socket bound at `endpoint` sends each step's batch as three frames: the topic, the batch's
+  sequence number (8 bytes, big-endian, from 0, +1 per batch) and the msgpack batch;
+- a ROUTER socket bound at `replay_endpoint` answers a request whose last frame is a start
+  sequence number (8 bytes, big-endian) with one `[seq, batch]` message per buffered batch from
+  that number on (the last `buffer_steps` batches), then `[-1 (8 bytes, signed), b""]`: a
+  subscriber that sees a gap in the numbers asks for what it missed; older than the buffer, it
+  resyncs from scratch.
+
+Budgets: the engine thread never waits on the network. It hands each batch to a queue of at most
+`max_queue_size` batches (a full queue drops the batch and counts it: the subscribers see the gap
+and the replay cannot fill it, so they resync); one thread here encodes and sends. A subscriber
+that reads slowly loses messages at the PUB socket's high-water mark (`hwm`), as with vLLM, and
+finds the gap. A replay request that is not one 8-byte number is ignored; the replies to one
+request are at most the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import msgspec
+import zmq
+
+from kvscale.worker.core.kv_events import KVCacheEvent, KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig keys and defaults (its topic default is empty: every topic)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """From `--kv-events-config`'s JSON; unknown keys and bad values are refused (ValueError)."""
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown keys {unknown} (known: {sorted(known)})")
+        config = cls(**raw)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {config.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--kv-events-config: {name} must be a positive integer, got {value!r}")
+        return config
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+class ZmqEventPublisher:
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
+        self.config = config
+        self.rank = data_parallel_rank
+        self.dropped = 0  # batches the full queue refused
+        self.published = 0
+        self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=config.max_queue_size)
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        # Bound here, in the caller's thread, so that a bad or busy endpoint fails the start.
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(config.replay_endpoint)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._thread = threading.Thread(target=self._run, name="kvscale-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoints(self) -> tuple[str, str | None]:
+        """The bound addresses (a `tcp://*:0` endpoint's port is the one the system picked)."""
+        replay = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
+        return self._pub.getsockopt_string(zmq.LAST_ENDPOINT), replay
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None:
+        """Queue one step's events (the engine thread: never blocks)."""
+        try:
+            self._queue.put_nowait(KVEventBatch(time.time(), list(events), self.rank))
+        except queue.Full:
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Send what is queued (for up to 5 s), then close the sockets."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        topic = self.config.topic.encode()
+        seq = 0
+        while True:
+            try:
+                batch = self._queue.get(timeout=0.01)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                batch = None
+            try:
+                if batch is not None:
+                    payload = encoder.encode(batch)
+                    number = seq.to_bytes(8, "big")
+                    self._pub.send_multipart((topic, number, payload), copy=False)
+                    self._buffer.append((seq, payload))
+                    seq += 1
+                    self.published += 1
+                if self._replay is not None:
+                    self._serve_replays()
+            except zmq.ZMQError as e:  # the context went away (close), or a socket failed
+                if e.errno == zmq.ETERM:
+                    return
+                logger.warning("KV events: %s", e)
+
+    def _serve_replays(self) -> None:
+        assert self._replay is not None
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) < 2 or len(frames[-1]) != 8:
+                continue  # not a replay request: nothing to answer
+            client, start = frames[0], int.from_bytes(frames[-1], "big")
+            for number, payload in list(self._buffer):
+                if number >= start:
+                    self._replay.send_multipart((client, b"", number.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
