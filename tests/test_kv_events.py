@@ -139,6 +139,8 @@ def test_stores_and_evictions_reach_a_subscriber_with_the_pools_hashes(engine):
         (n, msgspec.msgpack.encode(b)) for n, b in batches
     ]
     assert [n for n, _ in late.ask_replay(len(batches) - 2)] == [len(batches) - 2, len(batches) - 1]
+    stats = engine.engine.take_stats()
+    assert stats.kv_events_published == len(batches) and stats.kv_events_dropped == 0
     sub.close()
     late.close()
 

@@ -83,8 +83,9 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
         self.config = config
         self.rank = data_parallel_rank
-        self.dropped = 0  # batches the full queue refused
-        self.published = 0
+        self.queued = 0  # batches handed to the sending thread (the engine thread's count)
+        self.dropped = 0  # batches the full queue refused (the engine thread's count)
+        self.published = 0  # batches sent (the sending thread's count)
         self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=config.max_queue_size)
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -112,6 +113,7 @@ class ZmqEventPublisher:
         """Queue one step's events (the engine thread: never blocks)."""
         try:
             self._queue.put_nowait(KVEventBatch(time.time(), list(events), self.rank))
+            self.queued += 1
         except queue.Full:
             self.dropped += 1
 

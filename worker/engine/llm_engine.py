@@ -190,6 +190,7 @@ class LLMEngine:
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
         self._seen_lora = LoRAStats()
+        self._seen_kv_events = (0, 0)  # the publisher's queued and dropped counts at the last take_stats
         self._failed: dict[str, RequestFailedError] = {}
         self._consecutive_failed_steps = 0
         # Async scheduling (docs/engine.md): the step launched and not yet processed, and how many
@@ -693,6 +694,11 @@ class LLMEngine:
             stats.lora_disk_loads = now.disk_loads - seen.disk_loads
             self._seen_lora = dataclasses.replace(now)
             stats.lora_resident = runner.lora.resident_names()
+        if self.kv_events is not None:
+            queued, dropped = self.kv_events.queued, self.kv_events.dropped
+            stats.kv_events_published = queued - self._seen_kv_events[0]
+            stats.kv_events_dropped = dropped - self._seen_kv_events[1]
+            self._seen_kv_events = (queued, dropped)
         stats.forward = runner.forward_kind
         stats.compile_seconds = runner.compiler_seconds or runner.compile_seconds
         self._seen_preemptions, self._seen_prefix = sched.num_preemptions, (pc.queries, pc.hits)

@@ -249,6 +249,16 @@ class EngineMetrics:
             "Tokens generated with each LoRA adapter.",
             extra_labels=("lora_name",),
         )
+        self.kv_events_published = twin(
+            Counter,
+            ["kvscale_kv_events_published"],
+            "KV event messages queued for subscribers (one per step).",
+        )
+        self.kv_events_dropped = twin(
+            Counter,
+            ["kvscale_kv_events_dropped"],
+            "KV event messages dropped by the publisher's full queue: subscribers see a gap and resync.",
+        )
         self.lora_moves = {
             kind: twin(Counter, [f"kvscale_lora_{kind}"], doc)
             for kind, doc in (
@@ -390,6 +400,8 @@ class EngineMetrics:
             self.lora_prompt_tokens.inc(n, lora_name=name)
         for name, n in it.lora_generation_tokens.items():
             self.lora_generation_tokens.inc(n, lora_name=name)
+        self.kv_events_published.inc(it.kv_events_published)
+        self.kv_events_dropped.inc(it.kv_events_dropped)
         self.lora_moves["slot_loads"].inc(it.lora_slot_loads)
         self.lora_moves["slot_evictions"].inc(it.lora_slot_evictions)
         self.lora_moves["host_evictions"].inc(it.lora_host_evictions)

@@ -50,6 +50,10 @@ class IterationStats:
     lora_generation_tokens: dict[str, int] = field(default_factory=dict)
     # LoRA adapters moved since the last stats: host -> device slot copies, slots given to another
     # adapter, adapters dropped from host memory, adapters read from their folders.
+    # KV events (engine/kv_event_publisher.py): messages queued for the publisher, and refused by
+    # its full queue (the subscribers see a gap).
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0
     lora_slot_loads: int = 0
     lora_slot_evictions: int = 0
     lora_host_evictions: int = 0
