@@ -155,7 +155,16 @@ def test_a_group_waits_for_the_leader_worker_set_crd_then_is_rendered_as_one(ope
     # One pod per copy again: the LeaderWorkerSet goes, a Deployment takes its place.
     apply(operator, example(name, ns, parallelism={"tensor": 1}, replicas=1))
     wait_for(lambda: read_lws(operator, ns, name) is None, timeout=60, interval=0.5, what="the LWS to go")
-    client.AppsV1Api(operator.api).read_namespaced_deployment(name, ns)
+
+    def deployment():
+        try:
+            return client.AppsV1Api(operator.api).read_namespaced_deployment(name, ns)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None  # not there yet: the LWS was seen gone first
+            raise
+
+    wait_for(deployment, timeout=60, interval=0.5, what="the Deployment in the LWS's place")
 
 
 def worker_supports_multi_node() -> bool:
