@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime import DOCKER, PAUSE_IMAGE, Runtimes
+from runtime import DOCKER, PAUSE_IMAGE, ROOT_DIR, Runtimes
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "kvscale.local/python:3.11-bookworm"
@@ -141,27 +141,52 @@ def import_into_containerd(rt: Runtimes, images: list[str], log=print) -> float:
     """Copy the images dockerd has into containerd's k8s.io namespace, unless it has the same ones
     (each import is labelled with dockerd's image ID; a 6 GB worker image takes minutes)."""
     started = time.monotonic()
-    listed = rt.ctr("images", "list").stdout.splitlines()
+    listed = [line.split() for line in rt.ctr("images", "list").stdout.splitlines()[1:]]
     wanted = {}
     for image in images:
         image_id = rt.docker("image", "inspect", "--format", "{{.Id}}", image, capture=True, check=True)
         label = f"{ID_LABEL}={image_id.stdout.strip()}"
-        if not any(line.split()[:1] == [image] and label in line for line in listed):
+        if not any(fields[:1] == [image] and label in " ".join(fields) for fields in listed):
             wanted[image] = label
     if wanted:
-        save = subprocess.Popen([DOCKER, "save", *wanted], env=rt.env, stdout=subprocess.PIPE)
+        # The copies being replaced go first: containerd frees their layers (a changed dependency
+        # layer is GBs, twice over: the blob and its unpacked snapshot) before `docker save` needs
+        # room for a whole copy of the image in dockerd's temp folder. A disk that was full this
+        # way made the import fail on the CI machine.
+        for stale in stale_refs(listed, wanted):
+            rt.ctr("images", "remove", stale)
+        save = subprocess.Popen(
+            [DOCKER, "save", *wanted], env=rt.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         result = rt.ctr("images", "import", "-", stdin=save.stdout)
         # Our copy of the pipe's read end: closed, so that docker save gets EPIPE and ends when ctr
         # stopped reading early (a full disk), instead of blocking on the pipe forever.
         save.stdout.close()
+        save_err = save.stderr.read().decode(errors="replace")
         save.wait()
         if result.returncode != 0 or save.returncode != 0:
-            raise RuntimeError(f"ctr images import: {result.stderr}")
+            free = shutil.disk_usage(ROOT_DIR).free / 1e9
+            raise RuntimeError(
+                f"docker save | ctr images import ({free:.1f} GB free under {ROOT_DIR}):\n"
+                f"docker save: {save_err.strip()}\nctr: {result.stderr.strip()}"
+            )
         for image, label in wanted.items():
             # docker save writes short names (docker.io/library/... for unqualified ones).
             rt.ctr("images", "label", image, label)
         log(f"imported {', '.join(wanted)} into containerd in {time.monotonic() - started:.0f}s")
     return time.monotonic() - started
+
+
+def stale_refs(listed: list[list[str]], wanted: dict[str, str]) -> list[str]:
+    """The containerd refs of the copies `wanted` replaces: each name and the `sha256:<image id>`
+    ref the CRI plugin keeps beside it (the ID from our label), which alone would keep the layers."""
+    refs = []
+    for fields in listed:
+        if fields[:1] and fields[0] in wanted:
+            refs.append(fields[0])
+            labels = ",".join(fields).split(",")
+            refs += [f"sha256:{x.rsplit(':', 1)[1]}" for x in labels if x.startswith(ID_LABEL)]
+    return refs
 
 
 def lock() -> None:
