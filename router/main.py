@@ -29,10 +29,12 @@ from kvscale.router.endpoints import (
     SliceWatcher,
     StaticEndpoints,
 )
+from kvscale.router.kv_events import KVEventsSource
 from kvscale.router.picker import PickerConfig, Weights
 from kvscale.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.router.server import Router, RouterConfig, build_app
 from kvscale.router.state import POLICIES, RouterState
+from kvscale.router.tokenizer import PromptTokenizer
 from kvscale.router.wake import Waker, scale_up_from_zero
 
 logger = logging.getLogger("kvscale.router")
@@ -72,6 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-blocks", type=int, default=256, help="leading blocks hashed per request")
     p.add_argument(
         "--index-capacity", type=int, default=DEFAULT_CAPACITY, help="blocks per endpoint (default)"
+    )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="the workers' KV event stream port (their --kv-events-config endpoint): subscribe to "
+        "every endpoint's and score prefixes by the precise index (default: off, approximate only)",
+    )
+    p.add_argument(
+        "--kv-events-replay-port", type=int, default=5558, help="the workers' KV event replay port"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a folder with the model's tokenizer files: text and chat prompts get the workers' "
+        "token ids for the precise index (without it, only prompts of token ids do)",
     )
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument(
@@ -172,7 +190,20 @@ def build_router(args: argparse.Namespace) -> Router:
         waker = Waker(scale_up_from_zero(_apps_api(), args.scale_deployment, _namespace(args.namespace)))
     api_keys = KeyFile(args.api_key_file) if args.api_key_file else None
     upstream = KeyFile(args.upstream_api_key_file) if args.upstream_api_key_file else None
-    return Router(state, source, config, waker, api_keys=api_keys, upstream_key=upstream)
+    kv_events = None
+    if args.kv_events_port is not None:
+        kv_events = KVEventsSource(args.kv_events_port, args.kv_events_replay_port)
+    tokenizer = PromptTokenizer(args.tokenizer) if args.tokenizer else None
+    return Router(
+        state,
+        source,
+        config,
+        waker,
+        api_keys=api_keys,
+        upstream_key=upstream,
+        kv_events=kv_events,
+        tokenizer=tokenizer,
+    )
 
 
 def _apps_api():

@@ -66,6 +66,9 @@ class Candidate:
     running: int = 0  # scraped
     in_flight: int = 0  # the router's own requests there now
     prefix_match: int = 0  # leading blocks of this request its index holds
+    # The request's blocks in the precise index's units (its workers' block size) when prefix_match
+    # is the precise index's; 0: the approximate index's, out of pick's num_blocks.
+    prefix_blocks: int = 0
     # The request's LoRA adapter (all False for a base-model request): in a device slot there; or
     # not, but a slot is empty, or held by an idle adapter it may evict (scraped).
     has_adapter: bool = False
@@ -115,7 +118,8 @@ def pick(
     w = config.weights
 
     def score(c: Candidate) -> float:
-        prefix = c.prefix_match / num_blocks if num_blocks else 0.0
+        total = c.prefix_blocks or num_blocks
+        prefix = c.prefix_match / total if total else 0.0
         queue = 1.0 - (c.queued - lo) / (hi - lo) if hi > lo else 1.0
         kv = 1.0 - min(1.0, max(0.0, c.kv_usage))
         return w.prefix * prefix + w.kv * kv + w.queue * queue + w.lora * adapter_affinity(c)

@@ -32,6 +32,8 @@ from prometheus_client.core import GaugeMetricFamily
 from kvscale.common.errors import APIError
 from kvscale.common.request_body import read_body
 from kvscale.router.auth import KeyFile, client_key
+from kvscale.router.kv_events import KVEventsSource, KVEventSubscriptions
+from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
 from kvscale.router.prefix_index import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_MAX_BLOCKS,
@@ -42,6 +44,7 @@ from kvscale.router.prefix_index import (
 from kvscale.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
 from kvscale.router.scrape import Scraper
 from kvscale.router.state import PickRequest, RouterState, WorkerMetrics
+from kvscale.router.tokenizer import PromptTokenizer
 from kvscale.router.wake import Waker
 
 logger = logging.getLogger(__name__)
@@ -133,6 +136,14 @@ class RouterMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
+        self.kv_events = Counter(
+            "kvscale_router_kv_events",
+            "What the workers' KV event streams did, by kind: batch (applied), gap, resync, "
+            "synced, restart (a worker's numbers started again), bad (undecodable), timeout (a "
+            "replay that did not answer).",
+            ["kind"],
+            registry=r,
+        )
         self._models: set[str] = set()
         r.register(_EndpointCollector(router))
 
@@ -202,11 +213,21 @@ class Router:
         waker: Waker | None = None,
         api_keys: KeyFile | None = None,
         upstream_key: KeyFile | None = None,
+        kv_events: KVEventsSource | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         """`api_keys`: the client keys the router accepts (None: no authentication);
         `upstream_key`: the workers' key, which replaces the client's Authorization on the way
-        to a worker (None: the client's header goes through as it came)."""
+        to a worker (None: the client's header goes through as it came); `kv_events`: where the
+        workers publish their KV events (the precise index, which `state.kv_index` holds, is fed
+        from there), `tokenizer`: the model's, for the token ids it matches."""
         self.state, self.source, self.waker = state, source, waker
+        self.tokenizer = tokenizer
+        self.subscriptions: KVEventSubscriptions | None = None
+        if kv_events is not None:
+            if state.kv_index is None:
+                state.kv_index = KVBlockIndex()
+            self.subscriptions = KVEventSubscriptions(state.kv_index, kv_events, self._on_kv_event)
         self.api_keys, self.upstream_key = api_keys, upstream_key
         self.config = c = config or RouterConfig()
         self.metrics = RouterMetrics(self)
@@ -230,7 +251,12 @@ class Router:
 
     def set_endpoints(self, urls: list[str]) -> None:
         self.state.set_endpoints(urls)
+        if self.subscriptions is not None:
+            self.subscriptions.set_endpoints(self.state.endpoints)
         self.flow.dispatch()
+
+    def _on_kv_event(self, endpoint: str, what: str) -> None:
+        self.metrics.kv_events.labels(what).inc()
 
     def on_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
         self.state.update_metrics(endpoint, m)
@@ -238,7 +264,7 @@ class Router:
 
     def _choose(self, req: PickRequest, exclude: Iterable[str] = ()) -> str | None:
         """The state's pick (counted in flight there), and, for an adapter, what it found there."""
-        endpoint = self.state.choose(req.hashes, exclude, req.model)
+        endpoint = self.state.choose(req.hashes, exclude, req.model, req.prompt)
         if endpoint is not None and req.model is not None:
             affinity = self.state.affinity(endpoint, req.model)
             if affinity is not None:  # the model's label was taken (bounded) when it arrived
@@ -275,11 +301,13 @@ class Router:
             await self.waker.close()
         if self._scraper_task is not None:
             self._scraper_task.cancel()
+        if self.subscriptions is not None:
+            await self.subscriptions.close()
         if self.session is not None:
             await self.session.close()
 
     # -- requests ---------------------------------------------------------------------------------
-    async def _parse(self, request: web.Request) -> tuple[bytes, str, list[int], bool]:
+    async def _parse(self, request: web.Request) -> tuple[bytes, str, PickRequest, bool]:
         limit = self.config.max_body_bytes
         try:
             body = await read_body(request, (limit, limit))
@@ -295,13 +323,35 @@ class Router:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "model: a model name (a non-empty string) is required", param="model")
-        if request.path.endswith("/chat/completions"):
+        chat = request.path.endswith("/chat/completions")
+        if chat:
             messages = payload.get("messages")
             text = chat_prefix_text(messages) if isinstance(messages, list) else ""
         else:
             text = prompt_prefix_text(payload.get("prompt"))
         hashes = block_hashes(model, text, self.config.block_chars, self.config.max_blocks)
-        return body, model, hashes, payload.get("stream") is True
+        return (
+            body,
+            model,
+            PickRequest(hashes, model, await self._token_prompt(chat, payload)),
+            (payload.get("stream") is True),
+        )
+
+    async def _token_prompt(self, chat: bool, payload: dict) -> TokenPrompt | None:
+        """The prompt as the worker's token ids (for the precise index), when it has any synced
+        endpoint to match them at and the ids can be had: a prompt of ids, or the tokenizer."""
+        kv = self.state.kv_index
+        if kv is None or not any(kv.synced(e) for e in self.state.endpoints):
+            return None
+        salt = payload.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        prompt = payload.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return TokenPrompt(prompt, salt)
+        if self.tokenizer is None:
+            return None
+        ids = await self.tokenizer.token_ids_async(chat, payload)
+        return TokenPrompt(ids, salt) if ids else None
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -330,14 +380,14 @@ class Router:
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
         try:
-            body, model, hashes, stream = await self._parse(request)
+            body, model, pick, stream = await self._parse(request)
         except APIError as e:
             self.metrics.rejected.labels("", "invalid").inc()
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
         label = self.metrics.model(model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, PickRequest(hashes, model), stream, client)
+        resp = await self._route(request, body, label, pick, stream, client)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 

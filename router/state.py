@@ -7,18 +7,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
 from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
-from kvscale.router.prefix_index import PrefixIndex
+from kvscale.router.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
 
 POLICIES = ("kv-prefix", "round-robin")
 
 
 @dataclass(frozen=True)
 class PickRequest:
-    """What a pick reads of a request: its prefix-block hashes and the model it names."""
+    """What a pick reads of a request: its prefix-block hashes (the approximate index's), the model
+    it names, and its prompt's token ids where the router has them (the precise index's)."""
 
     hashes: Sequence[int]
     model: str | None = None
+    prompt: TokenPrompt | None = None
 
 
 @dataclass
@@ -43,12 +46,20 @@ class WorkerMetrics:
 
 class RouterState:
     def __init__(
-        self, config: PickerConfig | None = None, index: PrefixIndex | None = None, policy: str = "kv-prefix"
+        self,
+        config: PickerConfig | None = None,
+        index: PrefixIndex | None = None,
+        policy: str = "kv-prefix",
+        kv_index: KVBlockIndex | None = None,
     ) -> None:
+        """`kv_index`: the precise index (the workers' KV events), which scores a request the router
+        has token ids for at each endpoint whose index is synced; the approximate `index` scores
+        the rest (and records every pick, so it is warm when events stop)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (one of {', '.join(POLICIES)})")
         self.config, self.policy = config or PickerConfig(), policy
         self.index = index or PrefixIndex()
+        self.kv_index = kv_index
         self.endpoints: set[str] = set()
         self.metrics: dict[str, WorkerMetrics] = {}
         self.in_flight: dict[str, int] = {}
@@ -60,6 +71,8 @@ class RouterState:
         new = set(endpoints)
         for gone in self.endpoints - new:
             self.index.remove(gone)
+            if self.kv_index is not None:
+                self.kv_index.remove(gone)
             self.metrics.pop(gone, None)
         self.endpoints = new
 
@@ -91,11 +104,21 @@ class RouterState:
         m = self.metrics.get(endpoint) or WorkerMetrics()
         return adapter in m.adapters, m.max_lora > len(m.adapters), m.lora_free_slots > 0
 
-    def candidates(self, hashes: Sequence[int], adapter: str | None = None) -> list[Candidate]:
+    def candidates(
+        self, hashes: Sequence[int], adapter: str | None = None, prompt: TokenPrompt | None = None
+    ) -> list[Candidate]:
         out = []
+        precise: dict[int, list[bytes]] = {}  # the prompt's worker hashes, per block size
         for name in sorted(self.endpoints):
             m = self.metrics.get(name) or WorkerMetrics()
             has_adapter, adapter_empty, adapter_room = self._lora(name, adapter)
+            match, blocks = self.index.match_length(name, hashes), 0
+            kv = self.kv_index
+            if prompt is not None and adapter is None and kv is not None and kv.synced(name):
+                size = kv.state(name).block_size
+                if size not in precise:
+                    precise[size] = prompt.block_hashes(size, DEFAULT_MAX_BLOCKS)
+                match, blocks = kv.match_length(name, precise[size]), len(precise[size])
             out.append(
                 Candidate(
                     name,
@@ -103,7 +126,8 @@ class RouterState:
                     waiting=m.waiting,
                     running=m.running,
                     in_flight=self.in_flight.get(name, 0),
-                    prefix_match=self.index.match_length(name, hashes),
+                    prefix_match=match,
+                    prefix_blocks=blocks,
                     has_adapter=has_adapter,
                     adapter_empty=adapter_empty,
                     adapter_room=adapter_room,
@@ -138,7 +162,11 @@ class RouterState:
         return "resident" if has else "empty" if empty else "room" if room else "none"
 
     def choose(
-        self, hashes: Sequence[int], exclude: Iterable[str] = (), model: str | None = None
+        self,
+        hashes: Sequence[int],
+        exclude: Iterable[str] = (),
+        model: str | None = None,
+        prompt: TokenPrompt | None = None,
     ) -> str | None:
         """The endpoint for a request with these block hashes naming `model` (not one of `exclude`:
         those a retry already tried), counted in flight there and its blocks recorded; None: nobody
@@ -148,7 +176,7 @@ class RouterState:
         allowed = self.serving(adapter)
         cands = [
             c
-            for c in self.candidates(hashes, adapter)
+            for c in self.candidates(hashes, adapter, prompt)
             if c.name not in skip and (allowed is None or c.name in allowed)
         ]
         if self.policy == "round-robin":

@@ -7,8 +7,12 @@ Wire format (vLLM's ZmqEventPublisher):
 - a ROUTER socket bound at `replay_endpoint` answers a request whose last frame is a start
   sequence number (8 bytes, big-endian) with one `[seq, batch]` message per buffered batch from
   that number on (the last `buffer_steps` batches), then `[-1 (8 bytes, signed), b""]`: a
-  subscriber that sees a gap in the numbers asks for what it missed; older than the buffer, it
-  resyncs from scratch.
+  subscriber that sees a gap in the numbers asks for what it missed. Ours goes one step further
+  where vLLM's cannot help: a start older than the buffer (a router that restarted, or fell
+  further behind than `buffer_steps`) gets a snapshot instead, one batch numbered with the last
+  sequence sent: `AllBlocksCleared`, then a `BlockStored` for every block in the index at that
+  number (kept by this thread from the batches it sent, so it is exact at that number). Any
+  reader of vLLM's events understands it: it is made of vLLM's own events.
 
 Budgets: the engine thread never waits on the network. It hands each batch to a queue of at most
 `max_queue_size` batches (a full queue drops the batch and counts it: the subscribers see the gap
@@ -32,7 +36,13 @@ from dataclasses import dataclass, fields
 import msgspec
 import zmq
 
-from kvscale.worker.core.kv_events import KVCacheEvent, KVEventBatch
+from kvscale.worker.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +110,7 @@ class ZmqEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(config.replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._index = IndexMirror()  # the sending thread's: what a snapshot is made of
         self._thread = threading.Thread(target=self._run, name="kvscale-kv-events", daemon=True)
         self._thread.start()
 
@@ -140,6 +151,8 @@ class ZmqEventPublisher:
                     number = seq.to_bytes(8, "big")
                     self._pub.send_multipart((topic, number, payload), copy=False)
                     self._buffer.append((seq, payload))
+                    if self._replay is not None:
+                        self._index.apply(batch.events)
                     seq += 1
                     self.published += 1
                 if self._replay is not None:
@@ -156,7 +169,48 @@ class ZmqEventPublisher:
             if len(frames) < 2 or len(frames[-1]) != 8:
                 continue  # not a replay request: nothing to answer
             client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for number, payload in list(self._buffer):
+            sent = list(self._buffer)
+            if sent and start < sent[0][0]:  # older than the buffer: the index as of the last batch
+                last = sent[-1][0]
+                snapshot = KVEventBatch(time.time(), self._index.snapshot(), self.rank)
+                payload = msgspec.msgpack.encode(snapshot)
+                self._replay.send_multipart((client, b"", last.to_bytes(8, "big"), payload))
+                sent = []
+            for number, payload in sent:
                 if number >= start:
                     self._replay.send_multipart((client, b"", number.to_bytes(8, "big"), payload))
             self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+
+class IndexMirror:
+    """The worker's prefix-cache index as the published events tell it: block hash -> (parent hash,
+    token ids, block size, adapter, medium), in the order the blocks were stored. About 200 bytes a
+    block (a worker's pool is thousands to a few hundred thousand blocks)."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[bytes, tuple[bytes | None, list[int], int, int | None, str | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def apply(self, events: Sequence[KVCacheEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                parent, size = event.parent_block_hash, event.block_size
+                for i, block_hash in enumerate(event.block_hashes):
+                    tokens = event.token_ids[i * size : (i + 1) * size]
+                    self._blocks[block_hash] = (parent, tokens, size, event.lora_id, event.medium)
+                    parent = block_hash
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    self._blocks.pop(block_hash, None)
+            elif isinstance(event, AllBlocksCleared):
+                self._blocks.clear()
+
+    def snapshot(self) -> list[KVCacheEvent]:
+        """AllBlocksCleared, then one BlockStored per block, parents before their children where the
+        store order had them so."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        for block_hash, (parent, tokens, size, lora_id, medium) in self._blocks.items():
+            events.append(BlockStored([block_hash], parent, tokens, size, lora_id, medium))
+        return events

@@ -1,0 +1,167 @@
+"""The router's precise prefix index (issue 31; router/kv_index.py, router/kv_events.py) against a
+real engine publishing its KV events over real ZMQ sockets: the index is the worker's prefix-cache
+index at every batch (stores, and evictions under memory pressure, seen at the batch that carries
+them), a router that restarts and one that loses a batch both recover by resync (the replay, or
+the worker's snapshot once its buffer no longer reaches back), two router replicas hold the same
+index and pick alike, and the picker sends a prefix where its blocks are until they are evicted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import zmq.asyncio
+
+from kvscale.router.kv_events import EndpointSubscriber, KVEventsSource, KVEventSubscriptions
+from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
+from kvscale.router.state import RouterState, WorkerMetrics
+from kvscale.worker import LLM, SamplingParams
+from kvscale.worker.core.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+CONFIG = {
+    "enable_kv_cache_events": True,
+    "publisher": "zmq",
+    "endpoint": "tcp://127.0.0.1:*",
+    "replay_endpoint": "tcp://127.0.0.1:*",
+    "buffer_steps": 4,  # short: a late router gets the snapshot, not the history
+}
+WORKER = "http://127.0.0.1:1"  # the endpoint's URL: only its host is used here (no HTTP)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(target_model):
+    llm = LLM(target_model, device="cpu", num_kv_blocks=24, block_size=8, kv_events_config=json.dumps(CONFIG))
+    yield llm
+    llm.engine.shutdown()
+
+
+def source_of(llm) -> KVEventsSource:
+    pub, replay = llm.engine.kv_events.endpoints
+    return KVEventsSource(int(pub.rsplit(":", 1)[1]), int(replay.rsplit(":", 1)[1]), replay_timeout_s=2)
+
+
+def pool_hashes(llm) -> set[bytes]:
+    return set(llm.engine.kv_cache_manager.block_pool._index)
+
+
+async def caught_up(index: KVBlockIndex, llm, timeout: float = 10.0) -> None:
+    """Until the index has applied every batch the worker published, in sync."""
+    publisher = llm.engine.kv_events
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        state = index.state(WORKER)
+        if state.synced and state.seq == publisher.published - 1 and publisher.queued == publisher.published:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not caught up: {index.state(WORKER).seq} of {publisher.published - 1}")
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[0, *range(100 * i + 3, 100 * i + 44)] for i in range(n)]  # 42 tokens: 5 full blocks
+
+
+def test_the_index_is_the_workers_through_evictions_restarts_and_lost_batches(engine):
+    asyncio.run(_index_follows(engine))
+
+
+async def _index_follows(engine):
+    events: list[str] = []
+    index = KVBlockIndex()
+    subs = KVEventSubscriptions(index, source_of(engine), lambda e, what: events.append(what))
+    subs.set_endpoints({WORKER})
+    first = prompts(1)[0]
+    await asyncio.to_thread(engine.generate, [first], PARAMS)
+    await caught_up(index, engine)
+    assert index.state(WORKER).blocks == pool_hashes(engine) != set()
+    held = TokenPrompt([*first, 7, 7]).block_hashes(8, 64)
+    assert index.match_length(WORKER, held) == 5
+
+    # Memory pressure: 24 blocks cannot keep 5 more prompts of 6 blocks; the first one's blocks go.
+    # After each step's batch the index is the pool's index: an eviction is seen at its batch.
+    seen_at: list[int] = []
+    for p in prompts(6)[1:]:
+        await asyncio.to_thread(engine.generate, [p], PARAMS)
+        await caught_up(index, engine)
+        assert index.state(WORKER).blocks == pool_hashes(engine)
+        seen_at.append(index.match_length(WORKER, held))
+    assert seen_at[-1] < 5 and "gap" not in events
+
+    # A router that restarts: a new index, whose first resync is a snapshot (the buffer holds 4 of
+    # the batches), exact at once.
+    restarted = KVBlockIndex()
+    subs2 = KVEventSubscriptions(restarted, source_of(engine))
+    subs2.set_endpoints({WORKER})
+    await caught_up(restarted, engine)
+    assert restarted.state(WORKER).blocks == pool_hashes(engine)
+    # Two replicas agree.
+    assert restarted.state(WORKER).blocks == index.state(WORKER).blocks
+
+    # A lost batch: the next one shows the gap, the replay fills it.
+    await subs2.close()
+    await subs.close()
+    lossy = KVBlockIndex()
+    lost = []
+    context = zmq.asyncio.Context()
+    sub = EndpointSubscriber(WORKER, lossy, source_of(engine), context, on_event=lambda e, w: lost.append(w))
+    real = sub._on_stream
+
+    async def drop_one(frames):
+        if not lost.count("dropped"):
+            lost.append("dropped")
+            return
+        await real(frames)
+
+    task = asyncio.create_task(sub.run())
+    await caught_up(lossy, engine)
+    sub._on_stream = drop_one
+    for p in prompts(8)[6:]:
+        await asyncio.to_thread(engine.generate, [p], PARAMS)
+    await caught_up(lossy, engine)
+    assert "dropped" in lost and "gap" in lost
+    assert lossy.state(WORKER).blocks == pool_hashes(engine)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    context.destroy(linger=0)
+
+
+def test_a_gap_the_replay_cannot_fill_unsyncs_and_a_snapshot_resyncs():
+    index = KVBlockIndex()
+    index.state(WORKER).synced = True
+    index.apply(WORKER, 0, KVEventBatch(0.0, [BlockStored([b"a" * 32], None, list(range(8)), 8, None, None)]))
+    assert index.synced(WORKER) and index.match_length(WORKER, [b"a" * 32]) == 1
+    index.apply(WORKER, 1, KVEventBatch(0.0, [BlockRemoved([b"a" * 32], None)]))
+    assert index.match_length(WORKER, [b"a" * 32]) == 0
+    index.desync(WORKER)
+    assert not index.synced(WORKER)
+
+
+def test_the_picker_follows_the_precise_index_and_leaves_at_the_eviction():
+    """Two equal workers; the one whose index holds the prompt's blocks gets it, while the other
+    one's approximate index had recorded it. When its BlockRemoved arrives, the prefix no longer
+    pulls there."""
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    index = KVBlockIndex()
+    state = RouterState(kv_index=index)
+    state.set_endpoints([a, b])
+    for e in (a, b):
+        state.update_metrics(e, WorkerMetrics(kv_blocks=100))
+        index.state(e).synced = True
+        index.apply(e, 0, KVEventBatch(0.0, [BlockStored([], None, [], 8, None, None)]))
+    prompt = TokenPrompt(list(range(1, 42)))
+    hashes = prompt.block_hashes(8, 64)
+    state.index.record(a, [11, 12, 13])  # the approximate index thinks a
+    index.apply(b, 1, KVEventBatch(0.0, [BlockStored(hashes, None, list(range(1, 41)), 8, None, None)]))
+    picks = {state.choose([11, 12, 13], prompt=prompt) for _ in range(1)}
+    assert picks == {b}
+    state.release(b)
+    index.apply(b, 2, KVEventBatch(0.0, [BlockRemoved(hashes[:1], None)]))  # its first block evicted
+    cands = {c.name: c for c in state.candidates([11, 12, 13], None, prompt)}
+    assert cands[b].prefix_match == 0 and cands[b].prefix_blocks == 5
+    # Unsynced: the approximate index scores it again.
+    index.desync(b)
+    index.desync(a)
+    cands = {c.name: c for c in state.candidates([11, 12, 13], None, prompt)}
+    assert cands[a].prefix_match == 3 and cands[a].prefix_blocks == 0
