@@ -70,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting", type=int, default=32, help="an endpoint with this many waiting takes no more"
     )
     p.add_argument("--max-kv-usage", type=float, default=0.95)
+    p.add_argument(
+        "--prefill-guard",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="queue-aware: an endpoint whose queued prefill tokens plus this request's uncached ones "
+        "exceed FACTOR x the least endpoint's (+ --prefill-slack) takes nothing (needs the precise "
+        "index; default: off)",
+    )
+    p.add_argument("--prefill-slack", type=int, default=256, help="tokens of the prefill guard's slack")
+    p.add_argument(
+        "--expose-picks",
+        action="store_true",
+        help="serve POST /kvscale/pick/v1/(chat/)completions: the endpoint a request would go to, "
+        "sending nothing (benchmarks; it tells clients the workers' addresses)",
+    )
     p.add_argument("--block-chars", type=int, default=64, help="characters per hashed prefix block")
     p.add_argument("--max-blocks", type=int, default=256, help="leading blocks hashed per request")
     p.add_argument(
@@ -162,6 +178,8 @@ def build_router(args: argparse.Namespace) -> Router:
         load_factor=args.load_factor,
         max_waiting=args.max_waiting,
         max_kv_usage=args.max_kv_usage,
+        prefill_factor=args.prefill_guard,
+        prefill_slack=args.prefill_slack,
     )
     state = RouterState(picker, PrefixIndex(args.index_capacity), args.policy)
     if args.endpoints:
@@ -184,6 +202,7 @@ def build_router(args: argparse.Namespace) -> Router:
         scrape_timeout_s=args.scrape_timeout,
         scrape_concurrency=args.scrape_concurrency,
         heartbeat_s=args.heartbeat,
+        expose_picks=args.expose_picks,
     )
     waker = None
     if args.scale_deployment:

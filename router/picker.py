@@ -29,6 +29,15 @@ Filter, guard, score, pick:
    workers could both prefer the same worker and evict each other at every request. Steps 1 and 2
    are not scores, so no weight overrides them: a hot adapter's holders at the bound spill to the
    next tier, which then loads it (the adapter spreads as its traffic grows).
+   prefill guard (optional, `prefill_factor`; the queue-aware policy): with the precise index, the
+   router knows what a request would cost each endpoint before its first token: the prompt tokens
+   its cache lacks there, behind the prompt tokens of the router's requests already sent there and
+   not yet answered (their first byte), less what those found cached. An endpoint whose
+   `pending_prefill + prefill_cost` is over `prefill_factor` x the least of them (+ `prefill_slack`
+   tokens, so small queues do not flap) takes nothing: a hot prefix's home that has a burst of
+   prefills queued spills to a worker that can start sooner even without the cache, which is what
+   a TTFT tail is made of. Request counts cannot see it: one 6k-token prompt and one 60-token turn
+   are one request each. Applied only when every endpoint left has a known cost (synced).
 4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
    that equal endpoints split new prefixes between them deterministically, then by name.
 """
@@ -56,6 +65,8 @@ class PickerConfig:
     load_factor: float = 1.25  # c of the bounded-load guard (>= 1)
     max_waiting: int = 32  # an endpoint with this many waiting requests takes no more
     max_kv_usage: float = 0.95
+    prefill_factor: float | None = None  # the prefill guard (None: off)
+    prefill_slack: int = 256  # tokens
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,10 @@ class Candidate:
     # The request's blocks in the precise index's units (its workers' block size) when prefix_match
     # is the precise index's; 0: the approximate index's, out of pick's num_blocks.
     prefix_blocks: int = 0
+    # The prompt tokens of the router's requests sent there without a first byte yet (less their
+    # cached part), and this request's uncached prompt tokens there (-1: unknown, not synced).
+    pending_prefill: int = 0
+    prefill_cost: int = -1
     # The request's LoRA adapter (all False for a base-model request): in a device slot there; or
     # not, but a slot is empty, or held by an idle adapter it may evict (scraped).
     has_adapter: bool = False
@@ -97,6 +112,13 @@ def load_bound(total_in_flight: int, n: int, load_factor: float) -> int:
     return math.ceil(load_factor * (total_in_flight + 1) / n)
 
 
+def prefill_guard(cands: Sequence[Candidate], factor: float, slack: int) -> list[Candidate]:
+    """The candidates whose prefill work ahead of the request's first token (queued + its own) is
+    within factor x the least of them + slack; never empty (the least one always passes)."""
+    floor = min(c.pending_prefill + c.prefill_cost for c in cands)
+    return [c for c in cands if c.pending_prefill + c.prefill_cost <= max(1.0, factor) * floor + slack]
+
+
 def _tie_break(first_block: int, name: str) -> int:
     return xxhash.xxh3_64_intdigest(first_block.to_bytes(8, "little") + name.encode())
 
@@ -114,6 +136,8 @@ def pick(
         return None
     bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
     able = [c for c in able if c.in_flight < bound]
+    if config.prefill_factor is not None and all(c.prefill_cost >= 0 for c in able):
+        able = prefill_guard(able, config.prefill_factor, config.prefill_slack)
     lo, hi = min(c.queued for c in able), max(c.queued for c in able)
     w = config.weights
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -83,6 +83,10 @@ class RouterConfig:
     # A stream waiting in the queue this long gets its headers and an SSE comment, and one more
     # every as long, so proxies and clients keep a long wait (a first worker loading) open.
     heartbeat_s: float = 5.0
+    # POST /kvscale/pick/v1/(chat/)completions: the endpoint this router would pick for the body
+    # now, sending nothing (how `bench route` measures two replicas' agreement). Off by default:
+    # it tells clients the workers' addresses.
+    expose_picks: bool = False
 
 
 def _error(err: APIError) -> web.Response:
@@ -391,6 +395,13 @@ class Router:
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
+    async def pick(self, request: web.Request) -> web.Response:
+        """The dry run of a completion's pick (expose_picks): {"endpoint": URL or null}."""
+        self.authenticate(request)
+        _, _, pick, _ = await self._parse(request)
+        endpoint, _ = self.state.peek(pick.hashes, (), pick.model, pick.prompt)
+        return web.json_response({"endpoint": endpoint})
+
     def _refuse(self, label: str, reason: str, err: APIError) -> web.Response:
         self.metrics.rejected.labels(label, reason).inc()
         return _error(err)
@@ -495,10 +506,18 @@ class Router:
             in_flight.inc()
             try:  # released however the attempt ends: answered, refused, failed, or the client left
                 outcome = await self._attempt(
-                    request, endpoint, body, headers, timeout, len(tried) <= c.max_retries, early
+                    request,
+                    endpoint,
+                    body,
+                    headers,
+                    timeout,
+                    len(tried) <= c.max_retries,
+                    early,
+                    lambda e=endpoint: self.state.prefill_done(e, pick.prompt),
                 )
             finally:
                 in_flight.dec()
+                self.state.prefill_done(endpoint, pick.prompt)
                 self._done(endpoint)
             if isinstance(outcome, web.StreamResponse):
                 return outcome
@@ -528,9 +547,11 @@ class Router:
         timeout: aiohttp.ClientTimeout,
         may_retry: bool,
         early: web.StreamResponse | None = None,
+        first_byte: Callable[[], None] = lambda: None,
     ) -> web.StreamResponse | tuple[str, tuple[int, bytes, dict[str, str]] | None]:
         """One endpoint's try: the client's response once a byte of it went out, else why to retry
-        (and the worker's refusal, should every endpoint refuse)."""
+        (and the worker's refusal, should every endpoint refuse). `first_byte`: called at the first
+        chunk of the answer's body (its prefill is done)."""
         assert self.session is not None
         try:
             upstream = await self.session.request(
@@ -564,8 +585,8 @@ class Router:
             finally:
                 upstream.release()
         if early is not None:
-            return await self._stream_into(request, upstream, early)
-        return await self._stream(request, upstream)
+            return await self._stream_into(request, upstream, early, first_byte)
+        return await self._stream(request, upstream, first_byte)
 
     def _next(self, pick: PickRequest, tried: list[str]) -> str | None:
         """Another endpoint for a retry (never one tried already; a retry does not queue)."""
@@ -573,7 +594,12 @@ class Router:
             return None
         return self._choose(pick, exclude=tried)
 
-    async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        first_byte: Callable[[], None] = lambda: None,
+    ) -> web.StreamResponse:
         """The worker's answer to the client as it arrives: status, headers, then each chunk."""
         resp = web.StreamResponse(
             status=upstream.status, reason=upstream.reason, headers=_response_headers(upstream)
@@ -583,6 +609,7 @@ class Router:
         try:
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
+                first_byte()
                 await resp.write(chunk)
         except aiohttp.ClientError as e:
             # The worker went away mid-answer: the client's answer ends abruptly too (never a clean
@@ -600,7 +627,11 @@ class Router:
         return resp
 
     async def _stream_into(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, early: web.StreamResponse
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        early: web.StreamResponse,
+        first_byte: Callable[[], None] = lambda: None,
     ) -> web.StreamResponse:
         """The worker's answer into a stream whose 200 and headers already went out (it waited):
         an SSE answer's chunks as they come; any other answer (an error) as one `data:` event and
@@ -608,6 +639,7 @@ class Router:
         try:
             if upstream.status == 200 and upstream.content_type == "text/event-stream":
                 async for chunk in upstream.content.iter_any():
+                    first_byte()
                     await early.write(chunk)
                 upstream.release()
                 await early.write_eof()
@@ -705,4 +737,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.prometheus)
+    if router.config.expose_picks:
+        app.router.add_post("/kvscale/pick/v1/completions", router.pick)
+        app.router.add_post("/kvscale/pick/v1/chat/completions", router.pick)
     return app

@@ -63,6 +63,10 @@ class RouterState:
         self.endpoints: set[str] = set()
         self.metrics: dict[str, WorkerMetrics] = {}
         self.in_flight: dict[str, int] = {}
+        # The prefill guard's books: per endpoint, the uncached prompt tokens of the requests sent
+        # there and not answered yet; per (endpoint, request), its share, taken back once.
+        self.pending_prefill: dict[str, int] = {}
+        self._prefill: dict[tuple[str, int], int] = {}
         self._turn = 0
 
     def set_endpoints(self, endpoints: Iterable[str]) -> None:
@@ -119,6 +123,9 @@ class RouterState:
                 if size not in precise:
                     precise[size] = prompt.block_hashes(size, DEFAULT_MAX_BLOCKS)
                 match, blocks = kv.match_length(name, precise[size]), len(precise[size])
+                cost = max(0, len(prompt.token_ids) - match * size)
+            else:
+                cost = -1
             out.append(
                 Candidate(
                     name,
@@ -128,6 +135,8 @@ class RouterState:
                     in_flight=self.in_flight.get(name, 0),
                     prefix_match=match,
                     prefix_blocks=blocks,
+                    pending_prefill=self.pending_prefill.get(name, 0),
+                    prefill_cost=cost,
                     has_adapter=has_adapter,
                     adapter_empty=adapter_empty,
                     adapter_room=adapter_room,
@@ -171,6 +180,27 @@ class RouterState:
         """The endpoint for a request with these block hashes naming `model` (not one of `exclude`:
         those a retry already tried), counted in flight there and its blocks recorded; None: nobody
         can take it."""
+        chosen, cost = self.peek(hashes, exclude, model, prompt)
+        if self.policy == "round-robin":
+            self._turn += 1
+        if chosen is not None:
+            self.in_flight[chosen] = self.in_flight.get(chosen, 0) + 1
+            if prompt is not None and cost > 0:
+                self._prefill[(chosen, id(prompt))] = cost
+                self.pending_prefill[chosen] = self.pending_prefill.get(chosen, 0) + cost
+            if self.policy != "round-robin":
+                self.index.record(chosen, hashes)
+        return chosen
+
+    def peek(
+        self,
+        hashes: Sequence[int],
+        exclude: Iterable[str] = (),
+        model: str | None = None,
+        prompt: TokenPrompt | None = None,
+    ) -> tuple[str | None, int]:
+        """What choose would pick now, and the request's prefill cost there (-1: unknown), changing
+        nothing (the pick is a pure function of the state)."""
         skip = set(exclude)
         adapter = self.adapter_of(model)
         allowed = self.serving(adapter)
@@ -181,14 +211,23 @@ class RouterState:
         ]
         if self.policy == "round-robin":
             chosen = pick_round_robin(cands, self._turn, self.config)
-            self._turn += 1
         else:
             chosen = pick(cands, len(hashes), hashes[0] if hashes else 0, self.config)
-        if chosen is not None:
-            self.in_flight[chosen] = self.in_flight.get(chosen, 0) + 1
-            if self.policy != "round-robin":
-                self.index.record(chosen, hashes)
-        return chosen
+        cost = next((c.prefill_cost for c in cands if c.name == chosen), -1)
+        return chosen, cost
+
+    def prefill_done(self, endpoint: str, prompt: TokenPrompt | None) -> None:
+        """The request's first byte came back from the endpoint (or it ended): its prefill is no
+        longer ahead of anyone's there. Once per pick; later calls do nothing."""
+        if prompt is None:
+            return
+        cost = self._prefill.pop((endpoint, id(prompt)), 0)
+        if cost:
+            left = self.pending_prefill.get(endpoint, 0) - cost
+            if left > 0:
+                self.pending_prefill[endpoint] = left
+            else:
+                self.pending_prefill.pop(endpoint, None)
 
     def release(self, endpoint: str) -> None:
         n = self.in_flight.get(endpoint, 0) - 1

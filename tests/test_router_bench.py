@@ -43,3 +43,25 @@ def test_compare_meets_goals_only_when_clean():
     assert all(g["met"] for g in c["goals"].values())
     assert not any(g["met"] for g in compare({**router, "errors": 1}, rr)["goals"].values())
     assert not compare({**router, "prefix_cache_hit_rate": 0.25}, rr)["goals"]["hit_rate_ratio"]["met"]
+
+
+def test_compare_precise_holds_issue_31s_goals():
+    from kvscale.worker.bench.route import compare_precise
+
+    rr = {"prefix_cache_hit_rate": 0.3, "ttft_ms": {"p99": 500.0}, "output_tokens_per_s": 10.0, "errors": 0}
+    approx = {**rr, "prefix_cache_hit_rate": 0.5}
+    precise = {
+        "prefix_cache_hit_rate": 0.65,
+        "ttft_ms": {"p99": 450.0},
+        "output_tokens_per_s": 10.5,
+        "errors": 0,
+        "replica_agreement": 0.97,
+    }
+    c = compare_precise(precise, approx, rr)
+    assert c["hit_rate_over_approximate"] == 1.3 and c["ttft_p99_over_round_robin"] == 0.9
+    assert all(g["met"] for g in c["goals"].values())
+    slower = compare_precise({**precise, "ttft_ms": {"p99": 510.0}}, approx, rr)["goals"]
+    assert not slower["ttft_p99_over_round_robin"]["met"] and slower["hit_rate_over_approximate"]["met"]
+    apart = compare_precise({**precise, "replica_agreement": 0.9}, approx, rr)["goals"]
+    assert not apart["replica_agreement"]["met"]
+    assert not any(g["met"] for g in compare_precise(precise, {**approx, "errors": 2}, rr)["goals"].values())

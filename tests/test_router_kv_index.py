@@ -165,3 +165,46 @@ def test_the_picker_follows_the_precise_index_and_leaves_at_the_eviction():
     index.desync(a)
     cands = {c.name: c for c in state.candidates([11, 12, 13], None, prompt)}
     assert cands[a].prefix_match == 3 and cands[a].prefix_blocks == 0
+
+
+def test_the_prefill_guard_spills_a_prefix_whose_home_has_a_burst_of_prefills_queued():
+    """The queue-aware policy: b holds the prompt's blocks, but the router has sent b 3,000 prompt
+    tokens that have not started answering; a would prefill the whole prompt (328 tokens) at once.
+    Without the guard b wins (prefix affinity); with it, a. Once b's first bytes come back, b wins
+    again. Without precise costs (unsynced) the guard stands aside."""
+    from kvscale.router.picker import PickerConfig
+
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    prompt = TokenPrompt(list(range(1, 330)))
+    hashes = prompt.block_hashes(8, 64)
+    busy = [TokenPrompt(list(range(1000 * i, 1000 * i + 1000))) for i in range(1, 4)]
+
+    def router(guard: float | None) -> tuple[RouterState, KVBlockIndex]:
+        index = KVBlockIndex()
+        state = RouterState(PickerConfig(prefill_factor=guard, load_factor=100), kv_index=index)
+        state.set_endpoints([a, b])
+        for e in (a, b):
+            index.state(e).synced = True
+            index.apply(e, 0, KVEventBatch(0.0, [BlockStored([], None, [], 8, None, None)]))
+        stored = BlockStored(hashes, None, prompt.token_ids[:328], 8, None, None)
+        index.apply(b, 1, KVEventBatch(0.0, [stored]))
+        for p in busy:  # three long prompts went to b and are prefilling there
+            state.in_flight[b] = state.in_flight.get(b, 0) + 1
+            state._prefill[(b, id(p))] = 1000
+            state.pending_prefill[b] = state.pending_prefill.get(b, 0) + 1000
+        return state, index
+
+    state, _ = router(None)
+    assert state.choose([1], prompt=prompt) == b
+    state, index = router(1.25)
+    assert state.choose([1], prompt=prompt) == a
+    assert state.pending_prefill[a] == 329  # its whole prompt is a's to prefill
+    state.prefill_done(a, prompt)
+    state.prefill_done(a, prompt)  # once only
+    assert a not in state.pending_prefill
+    for p in busy:
+        state.prefill_done(b, p)
+    assert state.choose([1], prompt=prompt) == b
+    state, index = router(1.25)
+    index.desync(a)
+    assert state.choose([1], prompt=prompt) == b  # a's cost unknown: no guard

@@ -1,5 +1,17 @@
-"""Routing benchmark: 3 real workers behind kvscale-router, against the same router in round-robin
-mode, on one seeded multi-turn workload whose shared prefixes do not fit one worker's KV cache.
+"""Routing benchmark: 3 real workers behind kvscale-router, one seeded multi-turn workload whose
+shared prefixes do not fit one worker's KV cache, four policies in one run (`--order`):
+
+- `round-robin`: the router as a per-request balancer (a plain Service's behaviour);
+- `approximate`: the router's default, prefix affinity from its own guess (prefix_index.py);
+- `precise`: the workers publish KV events, the router scores by their exact index (kv_index.py),
+  tokenizing with the model's tokenizer (`--tokenizer`);
+- `precise-queue`: precise, plus the prefill guard (`--prefill-guard`, picker.py).
+
+In the precise modes two router replicas run in front of the same workers, conversations split
+between them, and before each turn the client asks both for their dry-run pick of that very
+request (`--expose-picks`): `replica_agreement` is the fraction where they name the same worker.
+Workers listen on their own loopback addresses (127.0.0.2, .3, ...: all of 127/8 is this host's),
+so that every worker's events are on the same ports, as pods have theirs on their own IPs.
 
 Workload (`conversations`): S system prompts (held-out code, `--system-tokens` each) shared by C
 conversations (conversation i has prompt i mod S) of T turns; each turn appends a user message
@@ -16,7 +28,8 @@ measured part. Reported per mode: the prefix-cache hit rate from the workers' ow
 (vllm:prefix_cache_hits / vllm:prefix_cache_queries, the deltas over the measured part), TTFT
 p50/p99 (request sent -> first chunk with content, at the client), output tokens/s over the wall
 time, and per-worker load (requests finished, prompt tokens, hit rate; balance = max/mean of the
-requests). `comparison` divides the router's figures by round-robin's.
+requests), the router's CPU per request. `comparison`: each policy against round-robin, and
+precise against approximate (issue 31's goals).
 """
 
 from __future__ import annotations
@@ -36,8 +49,12 @@ from kvscale.worker.bench.serve import ServerProcess, _ms_percentiles, free_port
 from kvscale.worker.bench.workload import held_out_sources
 
 GOALS = {"hit_rate_ratio": 1.5, "ttft_p50_reduction": 0.30, "throughput_ratio": 1.0}
+# Issue 31: precise against approximate's hit rate; TTFT p99 and throughput against round-robin's.
+PRECISE_GOALS = {"hit_rate_over_approximate": 1.2, "ttft_p99_over_round_robin": 1.0, "throughput_ratio": 1.0}
+AGREEMENT_GOAL = 0.95
 SERVED_NAME = "tiny"
-MODES = ("router", "round-robin")
+MODES = ("round-robin", "approximate", "precise", "precise-queue")
+EVENTS_PORT, REPLAY_PORT = 5557, 5558
 
 
 @dataclass
@@ -80,7 +97,9 @@ def _router_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.router.main"]
 
 
-def _start(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> ServerProcess:
+def _start(
+    cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None, host: str = "127.0.0.1"
+) -> ServerProcess:
     import os
     import subprocess
 
@@ -91,11 +110,26 @@ def _start(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    return ServerProcess(proc, port, log_path)
+    return ServerProcess(proc, port, log_path, host=host)
+
+
+def worker_host(i: int) -> str:
+    return f"127.0.0.{i + 2}"
+
+
+def events_config(host: str) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{host}:{EVENTS_PORT}",
+            "replay_endpoint": f"tcp://{host}:{REPLAY_PORT}",
+        }
+    )
 
 
 def start_workers(
-    n: int, model: str, flags: list[str], log_dir: Path, tag: str, threads: int = 0
+    n: int, model: str, flags: list[str], log_dir: Path, tag: str, threads: int = 0, events: bool = False
 ) -> list[ServerProcess]:
     """n workers started together (their model loads overlap), each waited for. `threads`: torch's
     threads per worker (0: torch's default, every core each): three workers with two OpenMP
@@ -104,9 +138,10 @@ def start_workers(
     workers = []
     try:
         for i in range(n):
-            port = free_port()
-            cmd = [*server_command(), *serve_args(model, port, flags)]
-            workers.append(_start(cmd, port, log_dir / f"worker-{tag}-{i}.log", env))
+            port, host = free_port(), worker_host(i)
+            extra = ["--kv-events-config", events_config(host)] if events else []
+            cmd = [*server_command(), *serve_args(model, port, [*flags, *extra], host)]
+            workers.append(_start(cmd, port, log_dir / f"worker-{tag}-{i}.log", env, host))
         for w in workers:
             w.wait_ready(600)
     except BaseException:
@@ -159,6 +194,7 @@ class TurnResult:
 class ClientRun:
     turns: list[TurnResult] = field(default_factory=list)
     wall_s: float = 0.0
+    agreement: list[bool] = field(default_factory=list)  # per turn: the replicas' picks agreed
 
 
 async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tuple[TurnResult, str]:
@@ -205,7 +241,11 @@ async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tup
     return result, "".join(text)
 
 
-async def run_client(url: str, convs: list[Conversation], concurrency: int, max_tokens: int) -> ClientRun:
+async def run_client(
+    urls: list[str], convs: list[Conversation], concurrency: int, max_tokens: int, compare_picks: bool = False
+) -> ClientRun:
+    """Conversation i through router urls[i % len(urls)]. `compare_picks`: before each turn, every
+    router's dry-run pick of it (ClientRun.agreement: the turns where they all named one worker)."""
     import aiohttp
 
     run = ClientRun()
@@ -213,19 +253,29 @@ async def run_client(url: str, convs: list[Conversation], concurrency: int, max_
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def converse(c: Conversation) -> None:
+        async def picks(messages: list[dict]) -> set[str | None]:
+            body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens}
+            out = set()
+            for url in urls:
+                async with session.post(url + "/kvscale/pick/v1/chat/completions", json=body) as r:
+                    out.add((await r.json()).get("endpoint") if r.status == 200 else f"HTTP {r.status}")
+            return out
+
+        async def converse(i: int, c: Conversation) -> None:
             async with limit:
                 messages = [{"role": "system", "content": c.system}]
                 for user in c.users:
                     messages.append({"role": "user", "content": user})
-                    result, reply = await _turn(session, url, messages, max_tokens)
+                    if compare_picks:
+                        run.agreement.append(len(await picks(messages)) == 1)
+                    result, reply = await _turn(session, urls[i % len(urls)], messages, max_tokens)
                     run.turns.append(result)
                     if result.error is not None:
                         return
                     messages.append({"role": "assistant", "content": reply})
 
         started = time.perf_counter()
-        await asyncio.gather(*(converse(c) for c in convs))
+        await asyncio.gather(*(converse(i, c) for i, c in enumerate(convs)))
         run.wall_s = time.perf_counter() - started
     return run
 
@@ -251,31 +301,69 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         "--device", args.device,
         "--dtype", args.dtype,
     ]  # fmt: skip
-    workers = start_workers(args.workers, args.model, flags, log_dir, mode, args.worker_threads)
-    router = None
+    precise = mode.startswith("precise")
+    workers = start_workers(args.workers, args.model, flags, log_dir, mode, args.worker_threads, precise)
+    routers: list[ServerProcess] = []
     try:
         for w in workers:
             asyncio.run(_warm_up(w.base_url))
-        port = free_port()
-        policy = "kv-prefix" if mode == "router" else "round-robin"
-        cmd = [
-            *_router_command(),
-            "--endpoints", ",".join(w.base_url for w in workers),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--policy", policy,
-            "--log-format", "text", "--log-level", "WARNING",
-            *args.router_flag,
-        ]  # fmt: skip
-        router = _start(cmd, port, log_dir / f"router-{mode}.log")
-        router.wait_ready(60)
+        policy = "round-robin" if mode == "round-robin" else "kv-prefix"
+        extra = []
+        if precise:
+            extra = [
+                "--kv-events-port", str(EVENTS_PORT), "--kv-events-replay-port", str(REPLAY_PORT),
+                "--tokenizer", args.model, "--expose-picks",
+            ]  # fmt: skip
+        if mode == "precise-queue":
+            extra += ["--prefill-guard", str(args.prefill_guard)]
+        for r in range(2 if precise else 1):  # two replicas where they can agree or not
+            port = free_port()
+            cmd = [
+                *_router_command(),
+                "--endpoints", ",".join(w.base_url for w in workers),
+                "--host", "127.0.0.1", "--port", str(port),
+                "--policy", policy,
+                "--log-format", "text", "--log-level", "WARNING",
+                *extra, *args.router_flag,
+            ]  # fmt: skip
+            routers.append(_start(cmd, port, log_dir / f"router-{mode}-{r}.log"))
+        for router in routers:
+            router.wait_ready(60)
+            if precise:
+                _wait_synced(router.base_url, len(workers))
         before = [scrape(w.base_url) for w in workers]
-        router_cpu = router.cpu_seconds()
-        run = asyncio.run(run_client(router.base_url, convs, args.concurrency, args.max_tokens))
-        router_cpu = round(router.cpu_seconds() - router_cpu, 2) if router_cpu is not None else None
+        cpu_before = [r.cpu_seconds() for r in routers]
+        urls = [r.base_url for r in routers]
+        run = asyncio.run(run_client(urls, convs, args.concurrency, args.max_tokens, compare_picks=precise))
+        cpu = [r.cpu_seconds() for r in routers]
+        router_cpu = None
+        if None not in cpu and None not in cpu_before:
+            router_cpu = round(sum(a - b for a, b in zip(cpu, cpu_before, strict=True)), 2)
         after = [scrape(w.base_url) for w in workers]
     finally:
-        stop_all([*workers, *([router] if router is not None else [])])
-    return summarize(run, before, after, router_cpu)
+        stop_all([*workers, *routers])
+    out = summarize(run, before, after, router_cpu)
+    out["routers"] = len(routers)
+    if run.agreement:
+        out["replica_agreement"] = round(sum(run.agreement) / len(run.agreement), 4)
+    return out
+
+
+def _wait_synced(url: str, workers: int, timeout: float = 60.0) -> None:
+    """Until the router's precise index has synced with every worker (its events counter)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        synced = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('kvscale_router_kv_events_total{kind="synced"}')
+        )
+        if synced >= workers:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"router {url} did not sync with {workers} workers' KV events in {timeout:.0f}s")
 
 
 def summarize(
@@ -317,6 +405,9 @@ def summarize(
         "per_worker": per_worker,
         "load_balance_max_over_mean": round(max(requests) / mean, 3) if mean else None,
         "router_cpu_s": router_cpu,
+        "router_cpu_ms_per_request": round(1000 * router_cpu / len(run.turns), 3)
+        if router_cpu is not None and run.turns
+        else None,
     }
 
 
@@ -344,6 +435,37 @@ def compare(router: dict[str, Any], rr: dict[str, Any]) -> dict[str, Any]:
                 ("ttft_p50_reduction", GOALS["ttft_p50_reduction"], reduction),
                 ("throughput_ratio", GOALS["throughput_ratio"], tput),
             )
+        },
+    }
+
+
+def compare_precise(precise: dict[str, Any], approx: dict[str, Any], rr: dict[str, Any]) -> dict[str, Any]:
+    """Issue 31's goals for a precise mode: hit rate over approximate's, TTFT p99 and throughput
+    against round-robin's (p99 at most round-robin's: a ratio <= 1), replicas agreeing."""
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    clean = precise["errors"] == 0 and approx["errors"] == 0 and rr["errors"] == 0
+    values = {
+        "hit_rate_over_approximate": ratio(precise["prefix_cache_hit_rate"], approx["prefix_cache_hit_rate"]),
+        "ttft_p99_over_round_robin": ratio(precise["ttft_ms"]["p99"], rr["ttft_ms"]["p99"]),
+        "throughput_ratio": ratio(precise["output_tokens_per_s"], rr["output_tokens_per_s"]),
+        "replica_agreement": precise.get("replica_agreement"),
+    }
+    goals = {**PRECISE_GOALS, "replica_agreement": AGREEMENT_GOAL}
+    at_most = {"ttft_p99_over_round_robin"}
+    return {
+        **values,
+        "goals": {
+            name: {
+                "goal": goal,
+                "value": values[name],
+                "met": values[name] is not None
+                and clean
+                and (values[name] <= goal if name in at_most else values[name] >= goal),
+            }
+            for name, goal in goals.items()
         },
     }
 
@@ -394,10 +516,22 @@ def run(args) -> dict[str, Any]:
             "torch_threads": args.worker_threads or "default",
         },
         "router_flags": args.router_flag,
+        "prefill_guard": args.prefill_guard,
         "logs": str(log_dir),
         "modes": modes,
-        # Only when both ran (a single mode is for checking the setup).
-        "comparison": compare(modes["router"], modes["round-robin"]) if len(modes) == 2 else None,
+        # Only what ran (a single mode is for checking the setup).
+        "comparison": {
+            **{
+                f"{m}_vs_round_robin": compare(modes[m], modes["round-robin"])
+                for m in modes
+                if m != "round-robin" and "round-robin" in modes
+            },
+            **{
+                f"{m}_issue_31": compare_precise(modes[m], modes["approximate"], modes["round-robin"])
+                for m in ("precise", "precise-queue")
+                if m in modes and "approximate" in modes and "round-robin" in modes
+            },
+        },
     }
 
 
@@ -425,9 +559,10 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--order",
-        default="round-robin,router",
+        default=",".join(MODES),
         help="the modes, in the order they run (one alone: a setup check)",
     )
+    p.add_argument("--prefill-guard", type=float, default=1.25, help="precise-queue's --prefill-guard factor")
     p.add_argument(
         "--router-flag",
         action="append",

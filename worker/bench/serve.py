@@ -60,9 +60,11 @@ def server_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "kvscale.worker.cli"]
 
 
-def serve_args(model: str, port: int, flags: list[str] | tuple[str, ...]) -> list[str]:
-    """The worker CLI's arguments for a server on localhost:port."""
-    return ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), *flags]
+def serve_args(
+    model: str, port: int, flags: list[str] | tuple[str, ...], host: str = "127.0.0.1"
+) -> list[str]:
+    """The worker CLI's arguments for a server on host:port (a loopback address)."""
+    return ["serve", "--model", model, "--host", host, "--port", str(port), *flags]
 
 
 # Runs the server with every thread under its own cProfile (the engine steps in a thread of its
@@ -100,10 +102,11 @@ class ServerProcess:
     log_path: Path
     startup_s: float | None = None  # process start to ready (set by launch)
     ready_path: str = "/ready"  # answers 200 once the server serves (llama-server: /health)
+    host: str = "127.0.0.1"
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
