@@ -83,11 +83,19 @@ CMD ["run"]
 # ---------------------------------------------------------------------------------------------
 # The router (kvscale-router, kvscale.router, docs/router.md): a package of its own, cluster-side
 # like the operator and made of the same installed environment (the wheel's `operator` extra:
-# aiohttp, the kubernetes client, prometheus-client, xxhash): it adds only a check and its
-# entrypoint, and never torch.
+# aiohttp, the kubernetes client, prometheus-client, xxhash, pyzmq, msgspec) plus its `router`
+# extra: transformers without torch, the tokenizer of the precise prefix index. Never torch.
 FROM operator AS router
 
-RUN python -c "import sys, kvscale.router.main; \
+USER 0:0
+COPY requirements/router.txt /tmp/requirements/
+RUN --mount=type=cache,target=/cache/pip,sharing=locked \
+    pip install --cache-dir /cache/pip -r /tmp/requirements/router.txt
+COPY --from=builder /wheels/ /tmp/wheels/
+RUN pip install --no-cache-dir --no-index "$(echo /tmp/wheels/kvscale-*.whl)[operator,router]" \
+    && rm -rf /tmp/wheels /tmp/requirements \
+    && pip check \
+    && python -c "import sys, kvscale.router.main, transformers; \
 assert 'torch' not in sys.modules, 'the router image must not load torch'" \
     && kvscale-router --help >/dev/null
 

@@ -5,7 +5,9 @@ through the router while a worker goes, and the InferencePool where its CRD is i
   requests to the router's Service make exactly one scale-up (the audit log's writes to the
   workers' deployments/scale: one, by the router's ServiceAccount) and all return 200; idle again,
   the autoscaler takes it back to zero.
-- Requests through the router keep flowing while a worker is deleted: 0 failed.
+- Requests through the router keep flowing while a worker is deleted: 0 failed; each router
+  replica subscribed to every worker's KV events (the replacement's too) and scored requests by
+  the precise index, with the tokenizer it fetched from a worker.
 - Two routers (the default) with their PodDisruptionBudget: one is evicted, a second eviction
   at once is refused (429), and requests keep flowing meanwhile: 0 failed.
 - With a test copy of the InferencePool CRD installed (e2e/testdata), the operator applies a pool
@@ -230,6 +232,23 @@ def test_requests_through_the_router_keep_flowing_while_a_worker_is_removed(
     assert not load.errors, load.errors[:5]
     assert len(results) > before  # requests were served while the worker went
     assert set(results) == {200}
+    # The precise prefix index (the default): each router replica subscribed to every worker's KV
+    # events (the replacement's too), fetched the tokenizer from a worker, and scored by them.
+    for pod in router_pods(operator, name, ns):
+        metrics = router_metrics(pod.status.pod_ip)
+        assert metrics.get('kvscale_router_kv_events_total{kind="synced"}', 0) >= 3, metrics
+        assert metrics.get('kvscale_router_kv_events_total{kind="batch"}', 0) >= 1, metrics
+        assert metrics.get('kvscale_router_picks_total{index="precise"}', 0) >= 1, metrics
+
+
+def router_metrics(pod_ip: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{pod_ip}:8000/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith(("kvscale_router_kv_events_total", "kvscale_router_picks_total"))
+    }
 
 
 def test_an_inference_pool_appears_where_its_crd_is_installed(operator, namespace):  # noqa: F811

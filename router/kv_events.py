@@ -187,6 +187,7 @@ class KVEventSubscriptions:
     ) -> None:
         self.index, self.source, self.on_event = index, source, on_event
         self._context = zmq.asyncio.Context()
+        self._context.setsockopt(zmq.IPV6, 1)  # a worker's address may be IPv6
         self._tasks: dict[str, asyncio.Task] = {}
 
     def set_endpoints(self, endpoints: set[str]) -> None:

@@ -34,7 +34,7 @@ from kvscale.router.picker import PickerConfig, Weights
 from kvscale.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.router.server import Router, RouterConfig, build_app
 from kvscale.router.state import POLICIES, RouterState
-from kvscale.router.tokenizer import PromptTokenizer
+from kvscale.router.tokenizer import FROM_WORKERS, PromptTokenizer
 from kvscale.router.wake import Waker, scale_up_from_zero
 
 logger = logging.getLogger("kvscale.router")
@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="a folder with the model's tokenizer files: text and chat prompts get the workers' "
-        "token ids for the precise index (without it, only prompts of token ids do)",
+        help="the model's tokenizer, so that text and chat prompts get the workers' token ids for "
+        "the precise index: a folder of its files, or 'workers': fetched from a ready worker "
+        "(without it, only prompts of token ids match precisely)",
     )
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument(
@@ -212,7 +213,8 @@ def build_router(args: argparse.Namespace) -> Router:
     kv_events = None
     if args.kv_events_port is not None:
         kv_events = KVEventsSource(args.kv_events_port, args.kv_events_replay_port)
-    tokenizer = PromptTokenizer(args.tokenizer) if args.tokenizer else None
+    from_workers = args.tokenizer == FROM_WORKERS
+    tokenizer = PromptTokenizer(args.tokenizer) if args.tokenizer and not from_workers else None
     return Router(
         state,
         source,
@@ -222,6 +224,7 @@ def build_router(args: argparse.Namespace) -> Router:
         upstream_key=upstream,
         kv_events=kv_events,
         tokenizer=tokenizer,
+        tokenizer_from_workers=from_workers,
     )
 
 

@@ -44,7 +44,7 @@ from kvscale.router.prefix_index import (
 from kvscale.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
 from kvscale.router.scrape import Scraper
 from kvscale.router.state import PickRequest, RouterState, WorkerMetrics
-from kvscale.router.tokenizer import PromptTokenizer
+from kvscale.router.tokenizer import PromptTokenizer, tokenizer_from_workers
 from kvscale.router.wake import Waker
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,13 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.picks = Counter(
+            "kvscale_router_picks",
+            "Requests picked for, by the prefix index that scored them: precise (the workers' KV "
+            "events, with the request's token ids) or approximate.",
+            ["index"],
+            registry=r,
+        )
         self._models: set[str] = set()
         r.register(_EndpointCollector(router))
 
@@ -219,6 +226,7 @@ class Router:
         upstream_key: KeyFile | None = None,
         kv_events: KVEventsSource | None = None,
         tokenizer: PromptTokenizer | None = None,
+        tokenizer_from_workers: bool = False,
     ) -> None:
         """`api_keys`: the client keys the router accepts (None: no authentication);
         `upstream_key`: the workers' key, which replaces the client's Authorization on the way
@@ -227,6 +235,9 @@ class Router:
         from there), `tokenizer`: the model's, for the token ids it matches."""
         self.state, self.source, self.waker = state, source, waker
         self.tokenizer = tokenizer
+        # `tokenizer_from_workers`: fetched from a ready worker once the router starts.
+        self.tokenizer_from_workers = tokenizer_from_workers
+        self._tokenizer_task: asyncio.Task | None = None
         self.subscriptions: KVEventSubscriptions | None = None
         if kv_events is not None:
             if state.kv_index is None:
@@ -269,6 +280,8 @@ class Router:
     def _choose(self, req: PickRequest, exclude: Iterable[str] = ()) -> str | None:
         """The state's pick (counted in flight there), and, for an adapter, what it found there."""
         endpoint = self.state.choose(req.hashes, exclude, req.model, req.prompt)
+        if endpoint is not None:
+            self.metrics.picks.labels("precise" if req.prompt is not None else "approximate").inc()
         if endpoint is not None and req.model is not None:
             affinity = self.state.affinity(endpoint, req.model)
             if affinity is not None:  # the model's label was taken (bounded) when it arrived
@@ -298,6 +311,16 @@ class Router:
             concurrency=c.scrape_concurrency,
         )
         self._scraper_task = asyncio.create_task(scraper.run())
+        if self.tokenizer is None and self.tokenizer_from_workers:
+            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
+
+    async def _fetch_tokenizer(self) -> None:
+        assert self.session is not None
+        headers = {}
+        key = self.upstream_key.first() if self.upstream_key is not None else None
+        if key is not None:
+            headers["Authorization"] = f"Bearer {key}"
+        self.tokenizer = await tokenizer_from_workers(self.session, lambda: self.state.endpoints, headers)
 
     async def stop(self, app: web.Application) -> None:
         self.source.stop()
@@ -305,6 +328,8 @@ class Router:
             await self.waker.close()
         if self._scraper_task is not None:
             self._scraper_task.cancel()
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
         if self.subscriptions is not None:
             await self.subscriptions.close()
         if self.session is not None:

@@ -4,6 +4,7 @@ NetworkPolicies selecting the right pods and ports."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -392,7 +393,9 @@ def test_workers_accept_only_their_router_and_the_operators_scrapes():
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvscale-operator"}},
         }
     ]
-    assert ports(router_rule) == ports(scrape_rule) == [8000]
+    # The routers also subscribe to the workers' KV events (the precise index, the default); the
+    # scrapers reach the API port only.
+    assert ports(router_rule) == [8000, 5557, 5558] and ports(scrape_rule) == [8000]
     # The router's own pods are not the workers': its policy selects them, not the workers.
     router = objs["RouterNetworkPolicy"]
     assert router["metadata"]["name"] == "tiny-router"
@@ -493,9 +496,12 @@ def test_each_policy_selects_exactly_its_pods_and_the_peers_match_the_real_pod_l
     operator_dep = yaml.safe_load((REPO / "manifests" / "base" / "deployment.yaml").read_text())
     operator_pod = operator_dep["spec"]["template"]["metadata"]["labels"]
     assert selects(workers["ingress"][1]["from"][0]["podSelector"], operator_pod)
-    # The port the peers may use is the one the containers serve (the API and /metrics).
-    (port,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["ports"]
-    assert workers["ingress"][0]["ports"] == [{"protocol": "TCP", "port": port["containerPort"]}]
+    # The ports the peers may use are the ones the containers serve (the API and /metrics; to the
+    # routers, the KV events too).
+    (container,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    served = [p["containerPort"] for p in container["ports"]]
+    assert [p["port"] for p in workers["ingress"][0]["ports"]] == served
+    assert [p["port"] for p in workers["ingress"][1]["ports"]] == served[:1]
 
 
 def test_the_sync_applies_the_policys_pod_ids_and_its_network_peers(monkeypatch, policy_file):
@@ -515,3 +521,23 @@ def test_the_sync_applies_the_policys_pod_ids_and_its_network_peers(monkeypatch,
     assert workers[1]["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "platform-ops"
     }
+
+
+def test_the_precise_index_wires_the_workers_events_to_the_routers_and_approximate_does_not():
+    """prefixIndex precise (the default): the workers publish KV events on 5557/5558 (named ports),
+    the routers subscribe there and fetch the tokenizer from the workers; approximate: none of it."""
+    from kvscale.operator.reconcile.children import router_args, worker_args
+
+    precise, approximate = spec(), spec(router={"prefixIndex": "approximate"})
+    args = worker_args("tiny", precise, "/models/tiny", None)
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    assert config["enable_kv_cache_events"] and config["endpoint"] == "tcp://*:5557"
+    assert config["replay_endpoint"] == "tcp://*:5558"
+    r = router_args(OWNER, precise)
+    assert r[r.index("--kv-events-port") + 1] == "5557" and r[r.index("--tokenizer") + 1] == "workers"
+    assert "--kv-events-config" not in worker_args("tiny", approximate, "/models/tiny", None)
+    assert "--kv-events-port" not in router_args(OWNER, approximate)
+    (worker, _) = network_policies(OWNER, approximate, NetworkPolicySettings(), "ops")
+    assert ports(worker["spec"]["ingress"][0]) == [8000]
+    # No router: nobody subscribes, so the workers publish nothing.
+    assert "--kv-events-config" not in worker_args("tiny", spec(router={"enabled": False}), "/m", None)

@@ -36,6 +36,14 @@ class RouterSpec(CamelModel):
         default="1", description="CPU limit per router pod (its request: 100m, or the limit when lower)."
     )
     memory: Quantity("256Mi") = Field(default="256Mi", description="Memory request and limit per router pod.")
+    prefix_index: Literal["precise", "approximate"] = Field(
+        default="precise",
+        description="How the router knows what each worker has cached. precise: the workers "
+        "publish their KV-cache events (vLLM's format, ports 5557 and 5558) and every router "
+        "replica keeps their exact index, tokenizing with the model's tokenizer fetched from a "
+        "worker (about 40 MB more router memory). approximate: the router remembers where it "
+        "sent each prompt's leading characters (no events, no tokenizer). docs/router.md.",
+    )
 
 
 class EndpointPickerRef(CamelModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 import posixpath
 import re
@@ -263,6 +264,24 @@ def download_container(
     }
 
 
+# The workers' KV events for the routers' precise index (docs/router.md): every pod on the same
+# two ports, dual-stack (the router connects to each pod's address).
+KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
+KV_EVENTS_CONFIG = json.dumps(
+    {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+    },
+    separators=(",", ":"),
+)
+
+
+def precise_index(spec: InferenceDeploymentSpec) -> bool:
+    return spec.router.enabled and spec.router.prefix_index == "precise"
+
+
 def worker_args(
     name: str,
     spec: InferenceDeploymentSpec,
@@ -288,6 +307,8 @@ def worker_args(
     if e.kv_cache_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", str(e.kv_cache_memory_fraction)]
     args += parallel_args(spec)
+    if precise_index(spec):
+        args += ["--kv-events-config", KV_EVENTS_CONFIG]
     if spec.speculative is not None:
         s = spec.speculative
         args += ["--speculative-method", s.method, "--num-speculative-tokens", str(s.num_speculative_tokens)]
@@ -513,6 +534,9 @@ def pod_template(
         }
         mounts["dshm"] = {"name": "dshm", "mountPath": "/dev/shm"}
     ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    if precise_index(spec):
+        ports.append({"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"})
+        ports.append({"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"})
     if spec.nodes > 1:
         ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
     http = {"path": "/ready", "port": "http"}
@@ -758,6 +782,9 @@ def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
         # The workers' key, checked at the router too (before a stranger takes a queue place)
         # and forwarded to the workers, which check it again.
         args += ["--api-key-file", f"{ROUTER_KEYS_DIR}/api-key"]
+    if precise_index(spec):
+        args += ["--kv-events-port", str(KV_EVENTS_PORT), "--kv-events-replay-port", str(KV_REPLAY_PORT)]
+        args += ["--tokenizer", "workers"]
     if scales_from_zero(spec):
         # The workers' Deployment, through /scale; and a request may wait a first worker's startup.
         args += ["--scale-deployment", owner.name]
@@ -1028,9 +1055,10 @@ def network_policies(
     api = "networking.k8s.io/v1"
     worker_rules: list[dict[str, Any]] = []
     if spec.router.enabled:
-        worker_rules.append(
-            _http_from([{"podSelector": {"matchLabels": router_selector_labels(owner.name)}}])
-        )
+        routers = _http_from([{"podSelector": {"matchLabels": router_selector_labels(owner.name)}}])
+        if precise_index(spec):  # the routers subscribe to the workers' KV events
+            routers["ports"] += [{"protocol": "TCP", "port": p} for p in (KV_EVENTS_PORT, KV_REPLAY_PORT)]
+        worker_rules.append(routers)
     if not spec.router.enabled or pooled:  # clients (or a gateway) reach the workers directly
         worker_rules.append(_http_from(clients))
     worker_rules.append(_http_from(scrapers))

@@ -100,6 +100,9 @@ class ZmqEventPublisher:
         self._stop = threading.Event()
         self._context = zmq.Context()
         # Bound here, in the caller's thread, so that a bad or busy endpoint fails the start.
+        # IPV6 on both sockets: `tcp://*:port` then binds dual-stack, so that routers reach a pod
+        # on an IPv6 cluster as on an IPv4 one.
+        self._context.setsockopt(zmq.IPV6, 1)
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)

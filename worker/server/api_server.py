@@ -9,14 +9,18 @@ Life of a worker process:
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import hmac
+import json
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -68,6 +72,7 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     started: float = field(default_factory=time.time)
+    tokenizer_json: bytes | None = None  # GET /v1/kvscale/tokenizer's answer, made once
 
 
 def _error(err: APIError) -> web.Response:
@@ -195,6 +200,34 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card, *adapters]})
 
 
+MAX_TOKENIZER_BYTES = 64 << 20  # tokenizer files; the largest common ones (Llama 3, Qwen) are ~10 MB
+
+
+def tokenizer_files(tokenizer) -> dict[str, str]:
+    """The tokenizer as transformers saves it (tokenizer.json, its config, the chat template...),
+    each file base64: what a router needs to produce this worker's token ids (router/tokenizer.py)."""
+    with tempfile.TemporaryDirectory(prefix="kvscale-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {f.name: f.read_bytes() for f in sorted(Path(tmp).iterdir()) if f.is_file()}
+    size = sum(len(b) for b in files.values())
+    if size > MAX_TOKENIZER_BYTES:
+        raise APIError(500, f"the tokenizer's files are {size} bytes, over {MAX_TOKENIZER_BYTES}")
+    return {name: base64.b64encode(data).decode() for name, data in files.items()}
+
+
+async def tokenizer(request: web.Request) -> web.Response:
+    """GET /v1/kvscale/tokenizer: {"model": served name, "files": {name: base64}} (made once)."""
+    state: ServerState = request.app["state"]
+    if state.llm.engine is None:
+        raise APIError(503, "the model is still loading", code="loading")
+    if state.tokenizer_json is None:
+        files = await asyncio.get_running_loop().run_in_executor(
+            None, tokenizer_files, state.serving.tokenizer
+        )
+        state.tokenizer_json = json.dumps({"model": state.model_name, "files": files}).encode()
+    return web.Response(body=state.tokenizer_json, content_type="application/json")
+
+
 def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> web.Application:
     model_name = config.served_model_name or engine_args.model
     serving = OpenAIServing(
@@ -219,6 +252,7 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/kvscale/tokenizer", tokenizer)
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
     if state.lora is not None:
