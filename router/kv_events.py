@@ -30,8 +30,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvscale.common.kv_events import AllBlocksCleared, KVEventBatch
 from kvscale.router.kv_index import KVBlockIndex
-from kvscale.worker.core.kv_events import AllBlocksCleared, KVEventBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The precise prefix index (issue 31): per endpoint, the exact set of block hashes its worker's
 prefix cache holds, as its KV events say (kv_events.py subscribes; this file has no I/O).
 
-The hashes are the worker's own (worker/core/block_pool.py: SHA-256 chained from the cache salt's
+The hashes are the worker's own (common/block_hash.py, the block pool's: SHA-256 chained from the cache salt's
 root over each block's token ids), so a request the router has token ids for matches them
 directly: no key of the router's own, no mapping. A request for a LoRA adapter is not matched
 here (its chain starts from the adapter's weight digest, which the events do not carry): it is
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvscale.worker.core.block_pool import hash_block_tokens, root_hash
-from kvscale.worker.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvscale.common.block_hash import hash_block_tokens, root_hash
+from kvscale.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 DEFAULT_MAX_BLOCKS = 4_000_000  # ~200 MB of hashes at most, per endpoint
 

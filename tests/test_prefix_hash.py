@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 
-from kvscale.worker.core.block_pool import hash_block_tokens, root_hash
+from kvscale.common.block_hash import hash_block_tokens, root_hash
 from kvscale.worker.core.kv_cache_manager import KVCacheManager
 from kvscale.worker.core.request import Request
 from kvscale.worker.sample.sampling_params import SamplingParams

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model_fixtures import TARGET
 
+from kvscale.common.block_hash import hash_block_tokens, root_hash
 from kvscale.worker import LLM, SamplingParams
-from kvscale.worker.core.block_pool import hash_block_tokens, root_hash
 from kvscale.worker.core.kv_cache_manager import cdiv
 
 pytestmark = pytest.mark.skipif(not TARGET.is_dir(), reason="model pair missing")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvscale.worker.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens, root_hash
+from kvscale.common.block_hash import BlockHash, hash_block_tokens, root_hash
+from kvscale.worker.core.block_pool import BlockPool, KVCacheBlock
 from kvscale.worker.core.kv_events import KVEventRecorder
 from kvscale.worker.core.request import Request
 

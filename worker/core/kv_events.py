@@ -15,7 +15,8 @@ tagged, so a batch is the msgpack array `[ts, [event, ...], data_parallel_rank]`
 - `AllBlocksCleared`: the whole index dropped at once (not emitted today: a reset removes only the
   blocks no request holds, so it sends their BlockRemoved).
 
-`KVEventRecorder` collects one step's events (no I/O); the engine hands them to the publisher
+The structs live in common/kv_events.py (the routers read them too); `KVEventRecorder` collects
+one step's events (no I/O); the engine hands them to the publisher
 (engine/kv_event_publisher.py) after the step.
 """
 
@@ -23,38 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
-
-# vLLM's ExternalBlockHash is bytes | int; ours are always 32-byte digests.
-BlockHash = bytes
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class of the events (tagged with the class name, as vLLM's)."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[BlockHash]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
+from kvscale.common.kv_events import (  # noqa: F401 (the schema, re-exported)
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 
 
 class KVEventRecorder:
