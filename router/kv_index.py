@@ -8,6 +8,14 @@ here (its chain starts from the adapter's weight digest, which the events do not
 scored by the approximate index, as is any request to an endpoint whose index is not `synced`
 (never received, or a gap the replay could not fill yet).
 
+In flight: a request sent to an endpoint has its blocks stored there only once its prefill step
+ran, and the event reaches the router later still. Meanwhile the same prefix arriving again would
+find nothing anywhere and could be sent to another worker, to be prefilled twice. So the router
+adds a request's hashes to its endpoint's `pending` blocks when it sends it and takes them back
+when the request ends (by then the worker's own events say whether they stayed); a match counts
+both. A router replica knows only its own pending blocks: the events make replicas agree again
+within a prefill.
+
 Budget: an endpoint's set holds at most `max_blocks` hashes (a worker's pool is thousands to a
 few hundred thousand blocks); a worker that claims more is not believed (unsynced until its next
 resync) rather than allowed to grow the router's memory without bound.
@@ -27,6 +35,7 @@ DEFAULT_MAX_BLOCKS = 4_000_000  # ~200 MB of hashes at most, per endpoint
 @dataclass
 class EndpointBlocks:
     blocks: set[bytes] = field(default_factory=set)
+    pending: dict[bytes, int] = field(default_factory=dict)  # hash -> requests in flight with it
     block_size: int = 0  # from its BlockStored events (0: none seen yet)
     seq: int = -1  # the last batch applied
     synced: bool = False  # the set is the worker's index as of `seq`
@@ -97,10 +106,28 @@ class KVBlockIndex:
             return 0
         n = 0
         for h in hashes:
-            if h not in s.blocks:
+            if h not in s.blocks and h not in s.pending:
                 break
             n += 1
         return n
+
+    def add_pending(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        """A request with these block hashes was sent to the endpoint."""
+        pending = self.state(endpoint).pending
+        for h in hashes:
+            pending[h] = pending.get(h, 0) + 1
+
+    def drop_pending(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        """That request ended (once per add_pending)."""
+        s = self._endpoints.get(endpoint)
+        if s is None:
+            return
+        for h in hashes:
+            left = s.pending.get(h, 0) - 1
+            if left > 0:
+                s.pending[h] = left
+            else:
+                s.pending.pop(h, None)
 
     def block_size(self, endpoints: Sequence[str]) -> int:
         """The block size of the synced endpoints (a pool's workers share one; 0: none synced)."""

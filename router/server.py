@@ -542,7 +542,7 @@ class Router:
                 )
             finally:
                 in_flight.dec()
-                self.state.prefill_done(endpoint, pick.prompt)
+                self.state.request_done(endpoint, pick.prompt)
                 self._done(endpoint)
             if isinstance(outcome, web.StreamResponse):
                 return outcome

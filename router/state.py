@@ -67,6 +67,8 @@ class RouterState:
         # there and not answered yet; per (endpoint, request), its share, taken back once.
         self.pending_prefill: dict[str, int] = {}
         self._prefill: dict[tuple[str, int], int] = {}
+        # The precise index's pending blocks of each (endpoint, request) in flight.
+        self._in_flight_blocks: dict[tuple[str, int], list[bytes]] = {}
         self._turn = 0
 
     def set_endpoints(self, endpoints: Iterable[str]) -> None:
@@ -188,6 +190,11 @@ class RouterState:
             if prompt is not None and cost > 0:
                 self._prefill[(chosen, id(prompt))] = cost
                 self.pending_prefill[chosen] = self.pending_prefill.get(chosen, 0) + cost
+            kv = self.kv_index
+            if prompt is not None and kv is not None and kv.synced(chosen) and cost >= 0:
+                blocks = prompt.block_hashes(kv.state(chosen).block_size, DEFAULT_MAX_BLOCKS)
+                kv.add_pending(chosen, blocks)
+                self._in_flight_blocks[(chosen, id(prompt))] = blocks
             if self.policy != "round-robin":
                 self.index.record(chosen, hashes)
         return chosen
@@ -228,6 +235,14 @@ class RouterState:
                 self.pending_prefill[endpoint] = left
             else:
                 self.pending_prefill.pop(endpoint, None)
+
+    def request_done(self, endpoint: str, prompt: TokenPrompt | None) -> None:
+        """The request sent to the endpoint ended: its prefill is not ahead of anyone's, and its
+        blocks are the worker's events' business now. Once per pick; later calls do nothing."""
+        self.prefill_done(endpoint, prompt)
+        blocks = self._in_flight_blocks.pop((endpoint, id(prompt)), None)
+        if blocks is not None and self.kv_index is not None:
+            self.kv_index.drop_pending(endpoint, blocks)
 
     def release(self, endpoint: str) -> None:
         n = self.in_flight.get(endpoint, 0) - 1

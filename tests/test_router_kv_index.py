@@ -157,6 +157,7 @@ def test_the_picker_follows_the_precise_index_and_leaves_at_the_eviction():
     picks = {state.choose([11, 12, 13], prompt=prompt) for _ in range(1)}
     assert picks == {b}
     state.release(b)
+    state.request_done(b, prompt)
     index.apply(b, 2, KVEventBatch(0.0, [BlockRemoved(hashes[:1], None)]))  # its first block evicted
     cands = {c.name: c for c in state.candidates([11, 12, 13], None, prompt)}
     assert cands[b].prefix_match == 0 and cands[b].prefix_blocks == 5
@@ -202,9 +203,36 @@ def test_the_prefill_guard_spills_a_prefix_whose_home_has_a_burst_of_prefills_qu
     state.prefill_done(a, prompt)
     state.prefill_done(a, prompt)  # once only
     assert a not in state.pending_prefill
+    state.request_done(a, prompt)  # its blocks no longer pending at a
+    state.release(a)
     for p in busy:
         state.prefill_done(b, p)
     assert state.choose([1], prompt=prompt) == b
     state, index = router(1.25)
     index.desync(a)
     assert state.choose([1], prompt=prompt) == b  # a's cost unknown: no guard
+
+
+def test_a_prefix_in_flight_counts_where_it_was_sent_until_the_request_ends():
+    """Nothing stored anywhere yet: the first request picks by load; a second one with the same
+    prefix, sent before the first one's blocks are stored (its events on the way), goes to the
+    same endpoint. Once the first ends, only the worker's events speak for those blocks."""
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    index = KVBlockIndex()
+    state = RouterState(kv_index=index)
+    state.set_endpoints([a, b])
+    for e in (a, b):
+        index.state(e).synced = True
+        index.apply(e, 0, KVEventBatch(0.0, [BlockStored([], None, [], 8, None, None)]))
+    first, second = TokenPrompt(list(range(1, 90))), TokenPrompt([*range(1, 81), 5, 5, 5])
+    sent = state.choose([1], prompt=first)
+    other = b if sent == a else a
+    state.in_flight[other] = 0  # even with the other endpoint idle, the prefix pulls
+    cands = {c.name: c for c in state.candidates([1], None, second)}
+    assert cands[sent].prefix_match == 10 and cands[other].prefix_match == 0
+    assert state.choose([1], prompt=second) == sent
+    state.request_done(sent, first)
+    state.request_done(sent, first)  # once only
+    state.request_done(sent, second)
+    assert index.state(sent).pending == {}
+    assert {c.name: c.prefix_match for c in state.candidates([1], None, second)} == {a: 0, b: 0}

@@ -346,6 +346,12 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
     out["routers"] = len(routers)
     if run.agreement:
         out["replica_agreement"] = round(sum(run.agreement) / len(run.agreement), 4)
+    # The precise modes' routers also answered every turn's dry-run picks (a tokenization and a
+    # pick each, no proxying): their CPU per call is the per-request price, counted fairly.
+    calls = len(run.turns) + len(run.agreement) * len(routers)
+    out["router_calls"] = calls
+    if router_cpu is not None and calls:
+        out["router_cpu_ms_per_call"] = round(1000 * router_cpu / calls, 3)
     return out
 
 
