@@ -37,7 +37,10 @@ Filter, guard, score, pick:
    tokens, so small queues do not flap) takes nothing: a hot prefix's home that has a burst of
    prefills queued spills to a worker that can start sooner even without the cache, which is what
    a TTFT tail is made of. Request counts cannot see it: one 6k-token prompt and one 60-token turn
-   are one request each. Applied only when every endpoint left has a known cost (synced).
+   are one request each. Where it applies (every endpoint left has a known cost: synced) it is
+   the load guard, in place of the request-count bound above, which with a few requests in flight
+   per endpoint spills a prefix whenever it has two (and two router replicas, each counting only
+   its own, spill differently).
 4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
    that equal endpoints split new prefixes between them deterministically, then by name.
 """
@@ -134,10 +137,11 @@ def pick(
     able = [c for c in candidates if can_take(c, config)]
     if not able:
         return None
-    bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
-    able = [c for c in able if c.in_flight < bound]
     if config.prefill_factor is not None and all(c.prefill_cost >= 0 for c in able):
         able = prefill_guard(able, config.prefill_factor, config.prefill_slack)
+    else:
+        bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
+        able = [c for c in able if c.in_flight < bound]
     lo, hi = min(c.queued for c in able), max(c.queued for c in able)
     w = config.weights
 

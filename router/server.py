@@ -421,11 +421,17 @@ class Router:
         return resp
 
     async def pick(self, request: web.Request) -> web.Response:
-        """The dry run of a completion's pick (expose_picks): {"endpoint": URL or null}."""
+        """The dry run of a completion's pick (expose_picks): {"endpoint": URL or null,
+        "prefix_match": the blocks of its prefix the index says that endpoint holds}."""
         self.authenticate(request)
         _, _, pick, _ = await self._parse(request)
         endpoint, _ = self.state.peek(pick.hashes, (), pick.model, pick.prompt)
-        return web.json_response({"endpoint": endpoint})
+        match = 0
+        if endpoint is not None:
+            adapter = self.state.adapter_of(pick.model)
+            cands = self.state.candidates(pick.hashes, adapter, pick.prompt)
+            match = next(c.prefix_match for c in cands if c.name == endpoint)
+        return web.json_response({"endpoint": endpoint, "prefix_match": match})
 
     def _refuse(self, label: str, reason: str, err: APIError) -> web.Response:
         self.metrics.rejected.labels(label, reason).inc()

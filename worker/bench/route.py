@@ -7,9 +7,14 @@ shared prefixes do not fit one worker's KV cache, four policies in one run (`--o
   tokenizing with the model's tokenizer (`--tokenizer`);
 - `precise-queue`: precise, plus the prefill guard (`--prefill-guard`, picker.py).
 
-In the precise modes two router replicas run in front of the same workers, conversations split
-between them, and before each turn the client asks both for their dry-run pick of that very
-request (`--expose-picks`): `replica_agreement` is the fraction where they name the same worker.
+Every mode runs `--router-replicas` routers (2, the operator's default) in front of the same
+workers, a conversation's turns alternating between them as requests through a Service do: each
+approximate replica guesses from its own half of the traffic, while the precise ones share the
+workers' events. Before each turn
+of a prefix-affinity mode the client asks every replica for its dry-run pick of that very request
+(`--expose-picks`): `replica_agreement` is the fraction of turns where they name the same worker,
+`replica_agreement_on_cached` the same over the turns whose prefix some replica matched (the same
+prefix, held somewhere).
 Workers listen on their own loopback addresses (127.0.0.2, .3, ...: all of 127/8 is this host's),
 so that every worker's events are on the same ports, as pods have theirs on their own IPs.
 
@@ -195,6 +200,7 @@ class ClientRun:
     turns: list[TurnResult] = field(default_factory=list)
     wall_s: float = 0.0
     agreement: list[bool] = field(default_factory=list)  # per turn: the replicas' picks agreed
+    agreement_on_cached: list[bool] = field(default_factory=list)  # of turns some replica matched
 
 
 async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tuple[TurnResult, str]:
@@ -244,7 +250,8 @@ async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tup
 async def run_client(
     urls: list[str], convs: list[Conversation], concurrency: int, max_tokens: int, compare_picks: bool = False
 ) -> ClientRun:
-    """Conversation i through router urls[i % len(urls)]. `compare_picks`: before each turn, every
+    """Turn t of conversation i through router urls[(i + t) % len(urls)]: consecutive turns reach
+    different replicas, as requests through a Service do. `compare_picks`: before each turn, every
     router's dry-run pick of it (ClientRun.agreement: the turns where they all named one worker)."""
     import aiohttp
 
@@ -253,22 +260,28 @@ async def run_client(
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def picks(messages: list[dict]) -> set[str | None]:
+        async def picks(messages: list[dict]) -> tuple[set[str | None], bool]:
+            """The replicas' picks, and whether any of them matched a cached prefix there."""
             body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens}
-            out = set()
+            out, cached = set(), False
             for url in urls:
                 async with session.post(url + "/kvscale/pick/v1/chat/completions", json=body) as r:
-                    out.add((await r.json()).get("endpoint") if r.status == 200 else f"HTTP {r.status}")
-            return out
+                    answer = await r.json() if r.status == 200 else {"endpoint": f"HTTP {r.status}"}
+                out.add(answer.get("endpoint"))
+                cached = cached or answer.get("prefix_match", 0) > 0
+            return out, cached
 
         async def converse(i: int, c: Conversation) -> None:
             async with limit:
                 messages = [{"role": "system", "content": c.system}]
-                for user in c.users:
+                for t, user in enumerate(c.users):
                     messages.append({"role": "user", "content": user})
                     if compare_picks:
-                        run.agreement.append(len(await picks(messages)) == 1)
-                    result, reply = await _turn(session, urls[i % len(urls)], messages, max_tokens)
+                        named, cached = await picks(messages)
+                        run.agreement.append(len(named) == 1)
+                        if cached:
+                            run.agreement_on_cached.append(len(named) == 1)
+                    result, reply = await _turn(session, urls[(i + t) % len(urls)], messages, max_tokens)
                     run.turns.append(result)
                     if result.error is not None:
                         return
@@ -308,15 +321,15 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         for w in workers:
             asyncio.run(_warm_up(w.base_url))
         policy = "round-robin" if mode == "round-robin" else "kv-prefix"
-        extra = []
+        extra = ["--expose-picks"] if policy == "kv-prefix" else []
         if precise:
-            extra = [
+            extra += [
                 "--kv-events-port", str(EVENTS_PORT), "--kv-events-replay-port", str(REPLAY_PORT),
-                "--tokenizer", args.model, "--expose-picks",
+                "--tokenizer", args.model,
             ]  # fmt: skip
         if mode == "precise-queue":
             extra += ["--prefill-guard", str(args.prefill_guard)]
-        for r in range(2 if precise else 1):  # two replicas where they can agree or not
+        for r in range(args.router_replicas):
             port = free_port()
             cmd = [
                 *_router_command(),
@@ -334,7 +347,8 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         before = [scrape(w.base_url) for w in workers]
         cpu_before = [r.cpu_seconds() for r in routers]
         urls = [r.base_url for r in routers]
-        run = asyncio.run(run_client(urls, convs, args.concurrency, args.max_tokens, compare_picks=precise))
+        compare_picks = policy == "kv-prefix" and len(urls) > 1
+        run = asyncio.run(run_client(urls, convs, args.concurrency, args.max_tokens, compare_picks))
         cpu = [r.cpu_seconds() for r in routers]
         router_cpu = None
         if None not in cpu and None not in cpu_before:
@@ -346,6 +360,10 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
     out["routers"] = len(routers)
     if run.agreement:
         out["replica_agreement"] = round(sum(run.agreement) / len(run.agreement), 4)
+    if run.agreement_on_cached:
+        out["replica_agreement_on_cached"] = round(
+            sum(run.agreement_on_cached) / len(run.agreement_on_cached), 4
+        )
     # The precise modes' routers also answered every turn's dry-run picks (a tokenization and a
     # pick each, no proxying): their CPU per call is the per-request price, counted fairly.
     calls = len(run.turns) + len(run.agreement) * len(routers)
@@ -569,6 +587,7 @@ def add_parser(sub, parents: list) -> None:
         help="the modes, in the order they run (one alone: a setup check)",
     )
     p.add_argument("--prefill-guard", type=float, default=1.25, help="precise-queue's --prefill-guard factor")
+    p.add_argument("--router-replicas", type=int, default=2, help="routers per mode (operator's default)")
     p.add_argument(
         "--router-flag",
         action="append",
