@@ -58,6 +58,7 @@ _HOP = frozenset(
     )
 )  # fmt: skip
 RETRYABLE_STATUS = (429, 503)
+PICK_HEADER = "X-Kvscale-Endpoint"  # with expose_picks: which endpoint answered
 MAX_MODEL_LABELS = 32  # model names come from clients: the rest count as "other"
 
 
@@ -84,8 +85,8 @@ class RouterConfig:
     # every as long, so proxies and clients keep a long wait (a first worker loading) open.
     heartbeat_s: float = 5.0
     # POST /kvscale/pick/v1/(chat/)completions: the endpoint this router would pick for the body
-    # now, sending nothing (how `bench route` measures two replicas' agreement). Off by default:
-    # it tells clients the workers' addresses.
+    # now, sending nothing, and X-Kvscale-Endpoint on answers (how `bench route` measures two
+    # replicas' agreement). Off by default: it tells clients the workers' addresses.
     expose_picks: bool = False
 
 
@@ -617,7 +618,7 @@ class Router:
                 upstream.release()
         if early is not None:
             return await self._stream_into(request, upstream, early, first_byte)
-        return await self._stream(request, upstream, first_byte)
+        return await self._stream(request, upstream, first_byte, endpoint)
 
     def _next(self, pick: PickRequest, tried: list[str]) -> str | None:
         """Another endpoint for a retry (never one tried already; a retry does not queue)."""
@@ -630,11 +631,14 @@ class Router:
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         first_byte: Callable[[], None] = lambda: None,
+        endpoint: str | None = None,
     ) -> web.StreamResponse:
-        """The worker's answer to the client as it arrives: status, headers, then each chunk."""
-        resp = web.StreamResponse(
-            status=upstream.status, reason=upstream.reason, headers=_response_headers(upstream)
-        )
+        """The worker's answer to the client as it arrives: status, headers, then each chunk (with
+        expose_picks, the endpoint that answers in X-Kvscale-Endpoint)."""
+        headers = _response_headers(upstream)
+        if self.config.expose_picks and endpoint is not None:
+            headers[PICK_HEADER] = endpoint
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         if upstream.content_length is not None:
             resp.content_length = upstream.content_length
         try:

@@ -11,10 +11,10 @@ Every mode runs `--router-replicas` routers (2, the operator's default) in front
 workers, a conversation's turns alternating between them as requests through a Service do: each
 approximate replica guesses from its own half of the traffic, while the precise ones share the
 workers' events. Before each turn
-of a prefix-affinity mode the client asks every replica for its dry-run pick of that very request
-(`--expose-picks`): `replica_agreement` is the fraction of turns where they name the same worker,
-`replica_agreement_on_cached` the same over the turns whose prefix some replica matched (the same
-prefix, held somewhere).
+of a prefix-affinity mode the client asks the other replica for its dry-run pick of that very
+request, and the serving one names its pick in a header (`--expose-picks`): `replica_agreement`
+is the fraction of turns where they name the same worker, `replica_agreement_on_cached` the same
+over the turns whose prefix the other replica matched (the same prefix, held somewhere).
 Workers listen on their own loopback addresses (127.0.0.2, .3, ...: all of 127/8 is this host's),
 so that every worker's events are on the same ports, as pods have theirs on their own IPs.
 
@@ -193,6 +193,7 @@ class TurnResult:
     end: float = 0.0
     completion_tokens: int = 0
     error: str | None = None
+    endpoint: str | None = None  # the worker that answered (X-Kvscale-Endpoint, with --expose-picks)
 
 
 @dataclass
@@ -222,6 +223,7 @@ async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tup
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result, ""
+            result.endpoint = resp.headers.get("X-Kvscale-Endpoint")
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -260,11 +262,14 @@ async def run_client(
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def picks(messages: list[dict]) -> tuple[set[str | None], bool]:
-            """The replicas' picks, and whether any of them matched a cached prefix there."""
+        async def picks(messages: list[dict], serving: str) -> tuple[set[str | None], bool]:
+            """The other replicas' dry-run picks, and whether any matched a cached prefix there
+            (the serving replica's own pick comes back with the answer)."""
             body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens}
             out, cached = set(), False
             for url in urls:
+                if url == serving:
+                    continue
                 async with session.post(url + "/kvscale/pick/v1/chat/completions", json=body) as r:
                     answer = await r.json() if r.status == 200 else {"endpoint": f"HTTP {r.status}"}
                 out.add(answer.get("endpoint"))
@@ -276,12 +281,14 @@ async def run_client(
                 messages = [{"role": "system", "content": c.system}]
                 for t, user in enumerate(c.users):
                     messages.append({"role": "user", "content": user})
-                    if compare_picks:
-                        named, cached = await picks(messages)
-                        run.agreement.append(len(named) == 1)
+                    url = urls[(i + t) % len(urls)]
+                    named, cached = await picks(messages, url) if compare_picks else (set(), False)
+                    result, reply = await _turn(session, url, messages, max_tokens)
+                    if compare_picks and result.endpoint is not None:
+                        agreed = named == {result.endpoint}
+                        run.agreement.append(agreed)
                         if cached:
-                            run.agreement_on_cached.append(len(named) == 1)
-                    result, reply = await _turn(session, urls[(i + t) % len(urls)], messages, max_tokens)
+                            run.agreement_on_cached.append(agreed)
                     run.turns.append(result)
                     if result.error is not None:
                         return
@@ -364,9 +371,9 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         out["replica_agreement_on_cached"] = round(
             sum(run.agreement_on_cached) / len(run.agreement_on_cached), 4
         )
-    # The precise modes' routers also answered every turn's dry-run picks (a tokenization and a
-    # pick each, no proxying): their CPU per call is the per-request price, counted fairly.
-    calls = len(run.turns) + len(run.agreement) * len(routers)
+    # The prefix-affinity modes' routers also answered a dry-run pick per turn (the other
+    # replica's: a parse, a tokenization with the precise index, a pick; no proxying).
+    calls = len(run.turns) + len(run.agreement) * (len(routers) - 1)
     out["router_calls"] = calls
     if router_cpu is not None and calls:
         out["router_cpu_ms_per_call"] = round(1000 * router_cpu / calls, 3)
