@@ -541,3 +541,17 @@ def test_the_precise_index_wires_the_workers_events_to_the_routers_and_approxima
     assert ports(worker["spec"]["ingress"][0]) == [8000]
     # No router: nobody subscribes, so the workers publish nothing.
     assert "--kv-events-config" not in worker_args("tiny", spec(router={"enabled": False}), "/m", None)
+
+
+def test_a_precise_router_has_a_writable_tmp_for_the_tokenizer_it_fetches():
+    """The router's root filesystem is read-only; the tokenizer it fetches from a worker is written
+    to a temp folder first: the precise index gets a small /tmp, approximate none."""
+    from kvscale.operator.reconcile.children import router_deployment
+
+    pod = router_deployment(OWNER, spec(), "img")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "128Mi"}} in pod["volumes"]
+    plain = router_deployment(OWNER, spec(router={"prefixIndex": "approximate"}), "img")["spec"]["template"]
+    assert "volumes" not in plain["spec"]

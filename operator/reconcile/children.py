@@ -793,6 +793,7 @@ def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
 
 
 ROUTER_CPU_REQUEST = "100m"
+ROUTER_TMP = "128Mi"
 
 
 def _router_cpu_request(limit: str) -> str:
@@ -825,11 +826,20 @@ def router_deployment(
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
         "securityContext": CONTAINER_SECURITY,
     }
-    volumes = []
+    volumes, mounts = [], []
     if spec.server.api_key_secret:
         secret = {"secretName": spec.server.api_key_secret, "items": [{"key": "api-key", "path": "api-key"}]}
-        volumes = [{"name": "api-keys", "secret": secret}]
-        container["volumeMounts"] = [{"name": "api-keys", "mountPath": ROUTER_KEYS_DIR, "readOnly": True}]
+        volumes.append({"name": "api-keys", "secret": secret})
+        mounts.append({"name": "api-keys", "mountPath": ROUTER_KEYS_DIR, "readOnly": True})
+    if precise_index(spec):
+        # The tokenizer fetched from a worker is written out and loaded from /tmp (the root
+        # filesystem is read-only): its files are at most 64 MiB (the worker's cap).
+        volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": ROUTER_TMP}})
+        mounts.append({"name": "tmp", "mountPath": "/tmp"})
+        # transformers reads only the fetched files: no hub, and any cache it wants under /tmp.
+        container["env"] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    if mounts:
+        container["volumeMounts"] = mounts
     labels_ = {**router_selector_labels(owner.name), LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
     return {
         "apiVersion": "apps/v1",
