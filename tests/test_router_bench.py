@@ -66,3 +66,31 @@ def test_compare_precise_holds_issue_31s_goals():
     apart = compare_precise({**precise, "replica_agreement_on_cached": 0.9}, approx, rr)["goals"]
     assert not apart["replica_agreement_on_cached"]["met"]
     assert not any(g["met"] for g in compare_precise(precise, {**approx, "errors": 2}, rr)["goals"].values())
+
+
+def test_compare_precise_takes_the_median_pair_for_latency_and_throughput():
+    from kvscale.worker.bench.route import compare_precise
+
+    def run(p99, tps, hit=0.3, errors=0):
+        return {
+            "prefix_cache_hit_rate": hit,
+            "ttft_ms": {"p99": p99},
+            "output_tokens_per_s": tps,
+            "errors": errors,
+            "replica_agreement_on_cached": 1.0,
+        }
+
+    approx = run(600.0, 10.0, hit=0.1)
+    pairs = [
+        (run(500.0, 10.0), run(450.0, 11.0)),
+        (run(500.0, 10.0), run(600.0, 9.0)),
+        (run(500.0, 10.0), run(480.0, 10.5)),
+    ]
+    c = compare_precise(pairs[0][1], approx, pairs[0][0], pairs)
+    assert c["ttft_p99_over_round_robin"] == 0.96 and c["throughput_ratio"] == 1.05  # the middle ones
+    assert c["pairs"]["ttft_p99_over_round_robin"] == [0.9, 1.2, 0.96]
+    assert c["goals"]["ttft_p99_over_round_robin"]["met"] and c["goals"]["throughput_ratio"]["met"]
+    pairs[1] = (pairs[1][0], run(600.0, 9.0, errors=1))  # an error anywhere fails every goal
+    assert not any(
+        g["met"] for g in compare_precise(pairs[0][1], approx, pairs[0][0], pairs)["goals"].values()
+    )
