@@ -302,7 +302,8 @@ def test_the_network_policies_are_applied_and_select_the_real_pods(operator, nam
     assert not router.spec.pod_selector.match_labels.items() <= worker_labels.items()
     peer = workers.spec.ingress[0]._from[0].pod_selector.match_labels
     assert peer.items() <= router_labels.items()
-    assert [p.port for p in workers.spec.ingress[0].ports] == [8000]
+    # The API, and the KV events the routers subscribe to (the precise index, the default).
+    assert [p.port for p in workers.spec.ingress[0].ports] == [8000, 5557, 5558]
     assert workers.metadata.owner_references[0].name == "netpol"
 
 
