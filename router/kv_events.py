@@ -8,13 +8,14 @@ numbered; the index applies them in order:
 - on start (a new endpoint, a router that restarted), it asks the replay for everything from 0:
   the whole history while the worker's buffer still has it, else a snapshot of its index;
 - a gap in the numbers (a batch the network or a high-water mark dropped) asks for what is missing
-  the same way; until the answer arrives the endpoint is unsynced (the approximate index scores it);
+  the same way; until the answer arrives the endpoint is unsynced (the approximate index scores it),
+  and a resync that fails is asked again from 0 after 2 s, doubling to 60 s;
 - numbers that go backwards mean a new publisher (the worker restarted): start over from 0.
 
 Budgets, the worker being a network peer: a message is at most `max_message_bytes` (ZMQ refuses
 larger ones: a snapshot of a 500k-block index is ~50 MB); a replay must answer each message within
-`replay_timeout_s` or the endpoint stays unsynced and is asked again after `retry_s`; a batch that
-does not decode desyncs the endpoint and asks for a resync (counted). Decoding runs on the event
+`replay_timeout_s` or the endpoint stays unsynced and is asked again after the backoff; a batch
+that does not decode desyncs the endpoint and asks for a resync (counted). Decoding runs on the event
 loop: a step's batch is a few hundred bytes; a snapshot, tens of milliseconds once per resync.
 """
 
@@ -47,7 +48,8 @@ class KVEventsSource:
     replay_port: int = 5558
     max_message_bytes: int = 64 << 20
     replay_timeout_s: float = 5.0
-    retry_s: float = 2.0
+    retry_s: float = 2.0  # the first wait after a failed resync, doubling up to max_retry_s
+    max_retry_s: float = 60.0
 
     def addresses(self, endpoint_url: str) -> tuple[str, str]:
         host = urlsplit(endpoint_url).hostname or "127.0.0.1"
@@ -74,18 +76,23 @@ class EndpointSubscriber:
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._last_stream_seq: int | None = None
         self._next_resync = 0.0
+        self._backoff = source.retry_s
 
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        loop = asyncio.get_running_loop()
         try:
             sub.connect(self.pub)
-            await self._resync(0)
             while True:
-                frames = await sub.recv_multipart()
-                await self._on_stream(frames)
+                # Unsynced (never yet, or a resync that failed): ask again once the backoff is
+                # over, whether or not the worker publishes meanwhile (an idle one does not).
+                if not self.index.state(self.endpoint).synced and loop.time() >= self._next_resync:
+                    await self._resync(0)
+                if await sub.poll(self.source.retry_s * 1000):
+                    await self._on_stream(await sub.recv_multipart())
         finally:
             sub.close(linger=0)
 
@@ -102,9 +109,7 @@ class EndpointSubscriber:
         self._last_stream_seq = seq
         state = self.index.state(self.endpoint)
         if not state.synced:
-            if asyncio.get_running_loop().time() >= self._next_resync:
-                await self._resync(0)
-            return
+            return  # run() resyncs from 0 when the backoff allows
         if seq <= state.seq:
             return  # a replay brought it already
         if seq > state.seq + 1:
@@ -136,7 +141,7 @@ class EndpointSubscriber:
         self.on_event(self.endpoint, "resync")
         state = self.index.state(self.endpoint)
         if start == 0:
-            state.blocks, state.seq = set(), -1
+            state.blocks, state.seq, state.overflow = set(), -1, False
         exact = start == 0 or state.synced
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -168,11 +173,16 @@ class EndpointSubscriber:
                 self._apply(number, batch)
         finally:
             dealer.close(linger=0)
+        exact = exact and not self.index.state(self.endpoint).overflow  # over budget: not believed
         self.index.state(self.endpoint).synced = exact
         if exact:
             self.on_event(self.endpoint, "synced")
+            self._backoff = self.source.retry_s
         else:
-            self._next_resync = asyncio.get_running_loop().time() + self.source.retry_s
+            # Doubling up to max_retry_s: a worker that can never be synced (a vLLM one whose buffer
+            # rolled) is asked for its whole buffer once a minute, not every 2 s.
+            self._next_resync = asyncio.get_running_loop().time() + self._backoff
+            self._backoff = min(self._backoff * 2, self.source.max_retry_s)
         return exact
 
 

@@ -39,6 +39,7 @@ class EndpointBlocks:
     block_size: int = 0  # from its BlockStored events (0: none seen yet)
     seq: int = -1  # the last batch applied
     synced: bool = False  # the set is the worker's index as of `seq`
+    overflow: bool = False  # it claimed more than max_blocks since its last reset: not believed
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,10 @@ class KVBlockIndex:
                 s.blocks.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 s.blocks = set()
-                s.synced = True
+                s.synced, s.overflow = True, False
         s.seq = seq
         if len(s.blocks) > self.max_blocks:
-            s.blocks, s.synced = set(), False
+            s.blocks, s.synced, s.overflow = set(), False, True
 
     def match_length(self, endpoint: str, hashes: Sequence[bytes]) -> int:
         """How many leading hashes the endpoint's worker holds (chained: the first miss ends it)."""
