@@ -114,7 +114,6 @@ class RouterState:
         self, hashes: Sequence[int], adapter: str | None = None, prompt: TokenPrompt | None = None
     ) -> list[Candidate]:
         out = []
-        precise: dict[int, list[bytes]] = {}  # the prompt's worker hashes, per block size
         for name in sorted(self.endpoints):
             m = self.metrics.get(name) or WorkerMetrics()
             has_adapter, adapter_empty, adapter_room = self._lora(name, adapter)
@@ -122,9 +121,8 @@ class RouterState:
             kv = self.kv_index
             if prompt is not None and adapter is None and kv is not None and kv.synced(name):
                 size = kv.state(name).block_size
-                if size not in precise:
-                    precise[size] = prompt.block_hashes(size, DEFAULT_MAX_BLOCKS)
-                match, blocks = kv.match_length(name, precise[size]), len(precise[size])
+                hashes_there = prompt.block_hashes(size, DEFAULT_MAX_BLOCKS)
+                match, blocks = kv.match_length(name, hashes_there), len(hashes_there)
                 cost = max(0, len(prompt.token_ids) - match * size)
             else:
                 cost = -1
