@@ -62,7 +62,8 @@ def operator(cluster):
     if not TARGET.is_dir():
         pytest.skip("needs ../shared/models/tiny-code-target for the worker pods")
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=60s")
+    for plural in (PLURAL, "inferenceendpoints"):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{plural}.{GROUP}", "--timeout=60s")
     # The admin policy first, so the operator's pods mount it from their start.
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "manifests" / "base" / "namespace.yaml"))
     cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(E2E_POLICY))
@@ -750,6 +751,7 @@ AUTOSCALER_GRANTS = {
 # Proven by no write being refused by that plugin (below), not by the audit log's requests.
 ADMISSION_GRANTS = {
     (GROUP, f"{PLURAL}/finalizers", "update"),
+    (GROUP, "inferenceendpoints/finalizers", "update"),  # the shared router's children's
     ("apps", "deployments", "delete"),
     ("", "services", "delete"),
     ("policy", "poddisruptionbudgets", "delete"),
@@ -769,6 +771,8 @@ ROUTER_ROLE_GRANTS = {
     ("discovery.k8s.io", "endpointslices", "list"),
     ("discovery.k8s.io", "endpointslices", "watch"),
 }
+# Used only once an InferenceEndpoint exists: e2e/test_endpoint.py makes one.
+ENDPOINT_GRANTS = {(GROUP, "inferenceendpoints", "get"), (GROUP, "inferenceendpoints/status", "patch")}
 # Used only where the InferencePool CRD is installed: e2e/test_router.py installs it.
 POOL_GRANTS = {
     ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "list", "patch", "create")
@@ -838,6 +842,8 @@ def test_operator_uses_exactly_its_rbac_and_is_never_forbidden(operator, request
         granted -= AUTOSCALER_GRANTS
     if not any(item.path.name == "test_router.py" for item in request.session.items):
         granted -= POOL_GRANTS  # no InferencePool CRD without it
+    if not any(item.path.name == "test_endpoint.py" for item in request.session.items):
+        granted -= ENDPOINT_GRANTS
     if not any(item.path.name == "test_parallelism.py" for item in request.session.items):
         granted -= LWS_GRANTS  # no LeaderWorkerSet CRD without it
     granted -= LWS_SCALE_GRANTS

@@ -8,6 +8,9 @@ a call to reconcile/reconciler.py or autoscaler/scaler.py, kopf's retry out.
   (quota, admission, RBAC), after a doubling backoff;
 - events of the children we own (server-side label selectors: only ours are streamed) and of the
   worker pods go to the reconciler, the resource's events to the autoscaler (`track`);
+- create, update (of the spec) and resume of an InferenceEndpoint apply its shared router, and
+  every InferenceDeployment event tells the endpoint reconciler, which syncs an endpoint only when
+  that resource's part in it changed (reconcile/endpoint_sync.py);
 - startup and cleanup start and stop the resync task and the pod cache, which run while kopf
   runs: on the leader only.
 
@@ -26,11 +29,13 @@ import kopf
 from kubernetes.client.rest import ApiException
 
 from kvscale.operator.adapters.sync import AdapterSync
+from kvscale.operator.api.endpoint import ENDPOINT_PLURAL
 from kvscale.operator.api.groupversion import GROUP, PLURAL, VERSION
 from kvscale.operator.api.labels import CHILD_SELECTOR
 from kvscale.operator.autoscaler.scaler import Scaler
 from kvscale.operator.kube.client import CHILD_RESOURCES, POD_RESOURCE
 from kvscale.operator.kube.errors import NETWORK_ERRORS, api_message
+from kvscale.operator.reconcile.endpoint_sync import EndpointReconciler
 from kvscale.operator.reconcile.heal import backoff_s
 from kvscale.operator.reconcile.reconciler import Reconciler
 
@@ -51,10 +56,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 class Handlers:
     """kopf's side of the reconciler and the autoscaler: one method per handler."""
 
-    def __init__(self, reconciler: Reconciler, scaler: Scaler, adapters: AdapterSync | None = None) -> None:
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        scaler: Scaler,
+        adapters: AdapterSync | None = None,
+        endpoints: EndpointReconciler | None = None,
+    ) -> None:
         self.reconciler = reconciler
         self.scaler = scaler
         self.adapters = adapters
+        self.endpoints = endpoints
         self._resync: asyncio.Task | None = None
 
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -68,6 +80,13 @@ class Handlers:
             on.event(*CHILD_RESOURCES[kind], registry=registry, id=handler.__name__)(handler)
         on.event(*POD_RESOURCE, registry=registry, id="pod_changed")(self.pod_changed)
         on.event(GROUP, VERSION, PLURAL, registry=registry, id="track")(self.track)
+        if self.endpoints is not None:
+            for when in (on.resume, on.create):
+                when(GROUP, VERSION, ENDPOINT_PLURAL, registry=registry, id="endpoint")(self.endpoint)
+            on.update(GROUP, VERSION, ENDPOINT_PLURAL, field="spec", registry=registry, id="endpoint")(
+                self.endpoint
+            )
+            on.event(GROUP, VERSION, PLURAL, registry=registry, id="member_changed")(self.member_changed)
         for handler in (self.start_resync, self.start_pod_cache):
             on.startup(registry=registry, id=handler.__name__)(handler)
         for handler in (self.stop_resync, self.stop_pod_cache):
@@ -96,6 +115,23 @@ class Handlers:
         if error is not None:
             raise kopf.TemporaryError(error[1], delay=backoff_s(retry + 1))
         self.reconciler.retries.succeeded((namespace, name))
+
+    def endpoint(self, meta: kopf.Meta, retry: int, **_: Any) -> None:
+        """An InferenceEndpoint's create, resume, or spec change: apply its shared router."""
+        assert self.endpoints is not None
+        try:
+            self.endpoints.sync(meta["namespace"], meta["name"])
+        except (ApiException, *NETWORK_ERRORS) as e:
+            raise kopf.TemporaryError(f"syncing failed: {api_message(e)}", delay=backoff_s(retry + 1)) from e
+
+    def member_changed(self, body: kopf.Body, type: str | None, **_: Any) -> None:
+        """An InferenceDeployment event: the endpoints it joins or leaves are synced (a failure is
+        logged; the next event of a member or of the endpoint tries again)."""
+        assert self.endpoints is not None
+        try:
+            self.endpoints.member_changed(dict(body), type)
+        except (ApiException, *NETWORK_ERRORS) as e:
+            logging.getLogger(__name__).warning("syncing an endpoint failed: %s", api_message(e))
 
     def deployment_changed(self, body: kopf.Body, type: str | None, **_: Any) -> None:
         """The workers changed (a pod became ready, a rollout advanced, someone edited or deleted

@@ -183,13 +183,15 @@ def build(settings: Settings, api) -> tuple:
     from kvscale.operator.autoscaler.scaler import Scaler
     from kvscale.operator.handlers import Handlers
     from kvscale.operator.kube.client import Kube
+    from kvscale.operator.reconcile.endpoint_sync import EndpointReconciler
     from kvscale.operator.reconcile.reconciler import Reconciler
 
     kube = Kube(api, settings.watch_namespaces)
     reconciler, scaler = Reconciler(kube, settings), Scaler(kube)
     adapters = AdapterSync(kube, scaler.pods, scaler.owners)
     scaler.also_stop.append(adapters.stop_all)
-    return Handlers(reconciler, scaler, adapters).register(kopf.OperatorRegistry()), reconciler, scaler
+    handlers = Handlers(reconciler, scaler, adapters, EndpointReconciler(kube, settings))
+    return handlers.register(kopf.OperatorRegistry()), reconciler, scaler
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -260,7 +262,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_crd(args: argparse.Namespace) -> int:
     from kvscale.operator.api.crd import crd_yaml, reference_markdown
 
-    sys.stdout.write(reference_markdown() if args.markdown else crd_yaml())
+    if args.markdown:
+        sys.stdout.write(reference_markdown(args.endpoint))
+    else:
+        sys.stdout.write(crd_yaml(args.endpoint))
     return 0
 
 
@@ -326,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "crd", help="print the CustomResourceDefinition (or, with --markdown, its reference)"
     )
     crd.add_argument("--markdown", action="store_true")
+    crd.add_argument("--endpoint", action="store_true", help="the InferenceEndpoint's")
     crd.set_defaults(func=cmd_crd)
     return parser
 

@@ -1,8 +1,10 @@
-"""`kvscale-router`: the router in front of one InferenceDeployment's workers (docs/router.md).
+"""`kvscale-router`: the router in front of one InferenceDeployment's workers, or of several
+models' pools of workers behind one endpoint (docs/router.md).
 
     kvscale-router --service NAME [--namespace NS] [--port-name http] [--port 8000] ...
     kvscale-router --endpoints http://10.0.0.1:8000,http://10.0.0.2:8000 ...   # static: tests, bench
     kvscale-router --service NAME --scale-deployment NAME ...   # scale from zero (docs/router.md)
+    kvscale-router --pool llama=llama,scale=llama,adapters=sql|chat --pool qwen=qwen ...  # per model
 
 With --service, the endpoints are the Service's EndpointSlices (ready, not terminating), watched
 through the API (in-cluster credentials, else KUBECONFIG / ~/.kube/config); the namespace defaults
@@ -31,6 +33,7 @@ from kvscale.router.endpoints import (
 )
 from kvscale.router.kv_events import KVEventsSource
 from kvscale.router.picker import PickerConfig, Weights
+from kvscale.router.pool import MAX_POOLS, PoolParts, PoolSpec, parse_pool_specs
 from kvscale.router.prefix_index import DEFAULT_CAPACITY, PrefixIndex
 from kvscale.router.server import Router, RouterConfig, build_app
 from kvscale.router.state import POLICIES, RouterState
@@ -46,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--service", help="the workers' Service (its EndpointSlices are watched)")
     src.add_argument("--endpoints", help="comma-separated worker URLs (static mode)")
+    src.add_argument(
+        "--pool",
+        action="append",
+        metavar="MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B]",
+        help=f"one model's workers (repeatable, at most {MAX_POOLS}): SOURCE is a Service in "
+        "--namespace, or worker URLs joined with + (static); scale=: its Deployment, scaled from "
+        "zero; adapters=: LoRA adapters it serves. Each request goes to its model's pool; an "
+        "unknown model gets 404",
+    )
     p.add_argument("--namespace", default=None, help="the Service's namespace (default: this pod's)")
     p.add_argument("--port-name", default=None, help="the EndpointSlice port to use (default: its first)")
     p.add_argument(
@@ -155,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-deployment",
         default=None,
         help="the workers' Deployment: at zero ready workers a request asks it for one replica "
-        "(its scale subresource, in --namespace)",
+        "(its scale subresource, in --namespace); with --pool, each pool's scale= instead",
     )
     p.add_argument(
         "--heartbeat", type=float, default=5.0, help="seconds between SSE comments to a waiting stream"
@@ -173,7 +185,26 @@ def _namespace(flag: str | None) -> str:
     return os.environ.get("POD_NAMESPACE", "default")
 
 
-def build_router(args: argparse.Namespace) -> Router:
+def pool_specs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[PoolSpec]:
+    """The --pool values, checked (parser.error, exit 2, on anything wrong), with the flags that
+    cannot mean one thing for several pools refused."""
+    if not args.pool:
+        return []
+    try:
+        specs = parse_pool_specs(args.pool)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.scale_deployment:
+        parser.error("--scale-deployment names one Deployment: with --pool, give each pool's scale=")
+    if args.tokenizer and args.tokenizer != FROM_WORKERS and len(specs) > 1:
+        parser.error("--tokenizer PATH is one model's: with several pools, use --tokenizer workers")
+    return specs
+
+
+def build_router(args: argparse.Namespace, specs: list[PoolSpec] | None = None) -> Router:
+    """The router the flags describe; `specs`: the --pool values (pool_specs), else parsed here."""
+    if specs is None:
+        specs = pool_specs(build_parser(), args)
     picker = PickerConfig(
         weights=Weights(args.prefix_weight, args.kv_weight, args.queue_weight, args.lora_weight),
         load_factor=args.load_factor,
@@ -182,13 +213,15 @@ def build_router(args: argparse.Namespace) -> Router:
         prefill_factor=args.prefill_guard,
         prefill_slack=args.prefill_slack,
     )
-    state = RouterState(picker, PrefixIndex(args.index_capacity), args.policy)
-    if args.endpoints:
-        source = StaticEndpoints(args.endpoints.split(","))
-    else:
-        source = SliceWatcher(
-            args.service, _namespace(args.namespace), args.port_name, watch_timeout_s=args.watch_timeout
+
+    def state() -> RouterState:
+        return RouterState(picker, PrefixIndex(args.index_capacity), args.policy)
+
+    def slices(service: str) -> SliceWatcher:
+        return SliceWatcher(
+            service, _namespace(args.namespace), args.port_name, watch_timeout_s=args.watch_timeout
         )
+
     config = RouterConfig(
         block_chars=args.block_chars,
         max_blocks=args.max_blocks,
@@ -205,9 +238,15 @@ def build_router(args: argparse.Namespace) -> Router:
         heartbeat_s=args.heartbeat,
         expose_picks=args.expose_picks,
     )
-    waker = None
-    if args.scale_deployment:
-        waker = Waker(scale_up_from_zero(_apps_api(), args.scale_deployment, _namespace(args.namespace)))
+    apps = None
+
+    def waker(deployment: str | None) -> Waker | None:
+        nonlocal apps
+        if deployment is None:
+            return None
+        apps = apps or _apps_api()
+        return Waker(scale_up_from_zero(apps, deployment, _namespace(args.namespace)))
+
     api_keys = KeyFile(args.api_key_file) if args.api_key_file else None
     upstream = KeyFile(args.upstream_api_key_file) if args.upstream_api_key_file else None
     kv_events = None
@@ -215,11 +254,32 @@ def build_router(args: argparse.Namespace) -> Router:
         kv_events = KVEventsSource(args.kv_events_port, args.kv_events_replay_port)
     from_workers = args.tokenizer == FROM_WORKERS
     tokenizer = PromptTokenizer(args.tokenizer) if args.tokenizer and not from_workers else None
+    if specs:
+        pools = [
+            PoolParts(
+                s.model,
+                state(),
+                StaticEndpoints(s.urls) if s.urls else slices(s.service or ""),
+                waker(s.scale),
+                adapters=s.adapters,
+                tokenizer=tokenizer,  # a folder: only with one pool (pool_specs)
+            )
+            for s in specs
+        ]
+        return Router(
+            config=config,
+            api_keys=api_keys,
+            upstream_key=upstream,
+            kv_events=kv_events,
+            tokenizer_from_workers=from_workers,
+            pools=pools,
+        )
+    source = StaticEndpoints(args.endpoints.split(",")) if args.endpoints else slices(args.service)
     return Router(
-        state,
+        state(),
         source,
         config,
-        waker,
+        waker(args.scale_deployment),
         api_keys=api_keys,
         upstream_key=upstream,
         kv_events=kv_events,
@@ -238,8 +298,8 @@ def _apps_api():
     return client.AppsV1Api()
 
 
-async def serve(args: argparse.Namespace) -> int:
-    router = build_router(args)
+async def serve(args: argparse.Namespace, specs: list[PoolSpec]) -> int:
+    router = build_router(args, specs)
     app = build_app(router)
     # handler_cancellation: a client that disconnects cancels its handler, which leaves the queue
     # or closes its worker connection (the worker aborts the request).
@@ -268,9 +328,11 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from kvscale.common.json_logging import configure_logging
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    specs = pool_specs(parser, args)  # before anything starts: a bad --pool exits 2
     configure_logging(args.log_level, args.log_format)
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, specs))
 
 
 if __name__ == "__main__":

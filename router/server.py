@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -27,13 +27,21 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvscale.common.capped_body import TooLarge, read_capped
 from kvscale.common.errors import APIError
 from kvscale.common.request_body import read_body
 from kvscale.router.auth import KeyFile, client_key
 from kvscale.router.kv_events import KVEventsSource, KVEventSubscriptions
-from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
+from kvscale.router.pool import (
+    EndpointSource,
+    Pool,
+    PoolParts,
+    UnknownModel,
+    resolve_pool,
+    synthesized_models,
+)
 from kvscale.router.prefix_index import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_MAX_BLOCKS,
@@ -42,9 +50,8 @@ from kvscale.router.prefix_index import (
     prompt_prefix_text,
 )
 from kvscale.router.queue import ClientQueueFull, FlowControl, QueueFull, QueueTimeout
-from kvscale.router.scrape import Scraper
 from kvscale.router.state import PickRequest, RouterState, WorkerMetrics
-from kvscale.router.tokenizer import PromptTokenizer, tokenizer_from_workers
+from kvscale.router.tokenizer import PromptTokenizer
 from kvscale.router.wake import Waker
 
 logger = logging.getLogger(__name__)
@@ -60,6 +67,8 @@ _HOP = frozenset(
 RETRYABLE_STATUS = (429, 503)
 PICK_HEADER = "X-Kvscale-Endpoint"  # with expose_picks: which endpoint answered
 MAX_MODEL_LABELS = 32  # model names come from clients: the rest count as "other"
+MAX_MODELS_BYTES = 4 << 20  # a worker's /v1/models answer read for the union (pools): a cap
+MAX_MODEL_NAME_ECHO = 256  # of an unknown model's name, echoed in its 404
 
 
 @dataclass
@@ -90,6 +99,18 @@ class RouterConfig:
     expose_picks: bool = False
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """What the router reads of a request's body before it knows the request's pool."""
+
+    body: bytes
+    model: str
+    payload: dict
+    chat: bool
+    stream: bool
+    hashes: list[int]
+
+
 def _error(err: APIError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
@@ -108,8 +129,8 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "kvscale_router_rejected_requests",
-            "Requests the router answered itself, by reason (invalid, unauthorized, queue_full, "
-            "client_queue_full, queue_timeout, no_endpoint).",
+            "Requests the router answered itself, by reason (invalid, unauthorized, unknown_model, "
+            "queue_full, client_queue_full, queue_timeout, no_endpoint).",
             ["model", "reason"],
             registry=r,
         )
@@ -157,13 +178,34 @@ class RouterMetrics:
             registry=r,
         )
         self._models: set[str] = set()
+        # The pools' models: named by the router's flags (at most MAX_POOLS), so each has its own
+        # label beside the MAX_MODEL_LABELS others (the autoscaler reads each model's demand).
+        self._reserved: frozenset[str] = frozenset()
         r.register(_EndpointCollector(router))
 
+    def reserve(self, names: Iterable[str]) -> None:
+        self._reserved = frozenset(names)
+
     def model(self, name: str) -> str:
+        if name in self._reserved:
+            return name
         if name in self._models or len(self._models) < MAX_MODEL_LABELS:
             self._models.add(name)
             return name
         return "other"
+
+    # -- what the pools report (pool.PoolEvents) ----------------------------------------------------
+    def picked(self, request: PickRequest, affinity: str | None) -> None:
+        self.picks.labels("precise" if request.prompt is not None else "approximate").inc()
+        if affinity is not None and request.model is not None:
+            # The model's label was taken (bounded) when it arrived.
+            self.adapter_picks.labels(self.model(request.model), affinity).inc()
+
+    def kv_event(self, endpoint: str, what: str) -> None:
+        self.kv_events.labels(what).inc()
+
+    def queue_changed(self, label: str, delta: int) -> None:
+        self.queued.labels(label).inc(delta)
 
 
 class _EndpointCollector:
@@ -173,8 +215,9 @@ class _EndpointCollector:
         self.router = router
 
     def collect(self):
-        state = self.router.state
-        yield GaugeMetricFamily("kvscale_router_endpoints", "Ready endpoints.", value=len(state.endpoints))
+        pools = list(self.router.pools.values())
+        ready = set().union(*(p.state.endpoints for p in pools))
+        yield GaugeMetricFamily("kvscale_router_endpoints", "Ready endpoints.", value=len(ready))
         age = self.router.source_age()
         if age is not None:
             yield GaugeMetricFamily(
@@ -204,13 +247,34 @@ class _EndpointCollector:
                 labels=["endpoint"],
             ),
         }
-        for e in sorted(state.endpoints):
-            m = state.metrics.get(e) or WorkerMetrics()
-            fams["in_flight"].add_metric([e], state.in_flight.get(e, 0))
-            fams["kv"].add_metric([e], m.kv_usage)
-            fams["waiting"].add_metric([e], m.waiting)
-            fams["index"].add_metric([e], state.index.size(e))
+        seen: set[str] = set()  # a URL in two pools (a misconfiguration) is one series
+        for pool in pools:
+            state = pool.state
+            for e in sorted(state.endpoints - seen):
+                seen.add(e)
+                m = state.metrics.get(e) or WorkerMetrics()
+                fams["in_flight"].add_metric([e], state.in_flight.get(e, 0))
+                fams["kv"].add_metric([e], m.kv_usage)
+                fams["waiting"].add_metric([e], m.waiting)
+                fams["index"].add_metric([e], state.index.size(e))
         yield from fams.values()
+        if self.router.legacy:
+            return
+        # One series per configured pool (at most MAX_POOLS): which model is at zero, which woke.
+        endpoints = GaugeMetricFamily(
+            "kvscale_router_pool_endpoints", "Ready endpoints of each model's pool.", labels=["model"]
+        )
+        wakes = CounterMetricFamily(
+            "kvscale_router_pool_wakes",
+            "Asks for a first worker (scale from zero) made for each model's pool.",
+            labels=["model"],
+        )
+        for pool in pools:
+            assert pool.name is not None
+            endpoints.add_metric([pool.name], len(pool.state.endpoints))
+            wakes.add_metric([pool.name], pool.waker.asks if pool.waker is not None else 0)
+        yield endpoints
+        yield wakes
 
 
 WAITING_COMMENT = b": waiting for a worker\n\n"
@@ -219,8 +283,8 @@ WAITING_COMMENT = b": waiting for a worker\n\n"
 class Router:
     def __init__(
         self,
-        state: RouterState,
-        source,
+        state: RouterState | None = None,
+        source: EndpointSource | None = None,
         config: RouterConfig | None = None,
         waker: Waker | None = None,
         api_keys: KeyFile | None = None,
@@ -228,116 +292,137 @@ class Router:
         kv_events: KVEventsSource | None = None,
         tokenizer: PromptTokenizer | None = None,
         tokenizer_from_workers: bool = False,
+        pools: Sequence[PoolParts] = (),
     ) -> None:
-        """`api_keys`: the client keys the router accepts (None: no authentication);
-        `upstream_key`: the workers' key, which replaces the client's Authorization on the way
-        to a worker (None: the client's header goes through as it came); `kv_events`: where the
-        workers publish their KV events (the precise index, which `state.kv_index` holds, is fed
-        from there), `tokenizer`: the model's, for the token ids it matches."""
-        self.state, self.source, self.waker = state, source, waker
-        self.tokenizer = tokenizer
-        # `tokenizer_from_workers`: fetched from a ready worker once the router starts.
-        self.tokenizer_from_workers = tokenizer_from_workers
-        self._tokenizer_task: asyncio.Task | None = None
-        self.subscriptions: KVEventSubscriptions | None = None
-        if kv_events is not None:
-            if state.kv_index is None:
-                state.kv_index = KVBlockIndex()
-            self.subscriptions = KVEventSubscriptions(state.kv_index, kv_events, self._on_kv_event)
+        """One unnamed pool of workers (`state`, `source`, `waker`, `tokenizer`: every request goes
+        there, as with --service/--endpoints), or `pools`: one per model, each request to the one
+        its `model` resolves to (--pool). `api_keys`: the client keys the router accepts (None: no
+        authentication); `upstream_key`: the workers' key, which replaces the client's
+        Authorization on the way to a worker (None: the client's header goes through as it came);
+        `kv_events`: where every pool's workers publish their KV events (each pool's precise
+        index, its `state.kv_index`, is fed from there); `tokenizer_from_workers`: each pool's
+        tokenizer is fetched from one of its ready workers once the router starts."""
+        if pools and (state is not None or source is not None or waker is not None or tokenizer is not None):
+            raise ValueError("a router takes either pools or one unnamed pool's parts, not both")
+        if not pools:
+            if state is None or source is None:
+                raise ValueError("a router needs a state and an endpoint source, or pools")
+            pools = [PoolParts(None, state, source, waker, tokenizer=tokenizer)]
+        elif any(p.name is None for p in pools) or len({p.name for p in pools}) < len(pools):
+            raise ValueError("pools are named by their models, each once")
         self.api_keys, self.upstream_key = api_keys, upstream_key
         self.config = c = config or RouterConfig()
         self.metrics = RouterMetrics(self)
         per_client = c.max_queued_per_client
-        self.flow: FlowControl[PickRequest] = FlowControl(
-            self._choose,
-            self._release,
-            max_queued=c.max_queued,
-            timeout_s=c.queue_timeout_s,
-            on_change=lambda label, d: self.metrics.queued.labels(label).inc(d),
-            max_per_key=max(1, c.max_queued // 4) if per_client is None else per_client,
-        )
+        # Each pool its own queue of max_queued places: one model's flood cannot take another's.
+        self.pools: dict[str | None, Pool] = {
+            p.name: Pool(
+                p,
+                self.metrics,
+                max_queued=c.max_queued,
+                max_per_key=max(1, c.max_queued // 4) if per_client is None else per_client,
+                queue_timeout_s=c.queue_timeout_s,
+                kv_events=kv_events,
+                tokenizer_from_workers=tokenizer_from_workers,
+            )
+            for p in pools
+        }
+        self.legacy = None in self.pools  # one unnamed pool: every model goes there, as before
+        if not self.legacy:
+            self.metrics.reserve(name for name in self.pools if name is not None)
+        self.started_at = int(time.time())  # `created` of the models /v1/models synthesizes
         self.session: aiohttp.ClientSession | None = None
-        self._scraper_task: asyncio.Task | None = None
+
+    # -- the one pool of a router that has one (--service/--endpoints), as before pools ---------------
+    @property
+    def _only(self) -> Pool:
+        if len(self.pools) != 1:
+            raise AttributeError("this router has several pools: use router.pools[MODEL]")
+        return next(iter(self.pools.values()))
+
+    @property
+    def state(self) -> RouterState:
+        return self._only.state
+
+    @property
+    def source(self) -> EndpointSource:
+        return self._only.source
+
+    @property
+    def flow(self) -> FlowControl[PickRequest]:
+        return self._only.flow
+
+    @property
+    def subscriptions(self) -> KVEventSubscriptions | None:
+        return self._only.subscriptions
+
+    @property
+    def waker(self) -> Waker | None:
+        return self._only.waker
+
+    @waker.setter
+    def waker(self, waker: Waker | None) -> None:
+        self._only.waker = waker
+
+    @property
+    def tokenizer(self) -> PromptTokenizer | None:
+        return self._only.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: PromptTokenizer | None) -> None:
+        self._only.tokenizer = tokenizer
+
+    def set_endpoints(self, urls: list[str]) -> None:
+        self._only.set_endpoints(urls)
+
+    def on_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
+        self._only.on_metrics(endpoint, m)
 
     # -- inputs ---------------------------------------------------------------------------------
     def source_age(self) -> float | None:
-        """Seconds since the endpoint source last heard from the API (sources may not say)."""
-        age = getattr(self.source, "age", None)
-        return age() if age is not None else None
+        """Seconds since the stalest endpoint source last heard from the API (None: none says)."""
+        ages = [a for a in (p.age() for p in self.pools.values()) if a is not None]
+        return max(ages) if ages else None
 
-    def set_endpoints(self, urls: list[str]) -> None:
-        self.state.set_endpoints(urls)
-        if self.subscriptions is not None:
-            self.subscriptions.set_endpoints(self.state.endpoints)
-        self.flow.dispatch()
-
-    def _on_kv_event(self, endpoint: str, what: str) -> None:
-        self.metrics.kv_events.labels(what).inc()
-
-    def on_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
-        self.state.update_metrics(endpoint, m)
-        self.flow.dispatch()
-
-    def _choose(self, req: PickRequest, exclude: Iterable[str] = ()) -> str | None:
-        """The state's pick (counted in flight there), and, for an adapter, what it found there."""
-        endpoint = self.state.choose(req.hashes, exclude, req.model, req.prompt)
-        if endpoint is not None:
-            self.metrics.picks.labels("precise" if req.prompt is not None else "approximate").inc()
-        if endpoint is not None and req.model is not None:
-            affinity = self.state.affinity(endpoint, req.model)
-            if affinity is not None:  # the model's label was taken (bounded) when it arrived
-                self.metrics.adapter_picks.labels(self.metrics.model(req.model), affinity).inc()
-        return endpoint
-
-    def _release(self, endpoint: str) -> None:
-        self.state.release(endpoint)
-
-    def _done(self, endpoint: str) -> None:
-        self.state.release(endpoint)
-        self.flow.dispatch()
+    def pool_for(self, model: str) -> Pool:
+        """The pool a request for `model` goes to (pool.resolve_pool); UnknownModel when none."""
+        if self.legacy:
+            return self._only
+        key = resolve_pool(
+            model,
+            {name: frozenset(p.adapters) for name, p in self.pools.items()},
+            {name: p.served_adapters() for name, p in self.pools.items()},
+        )
+        return self.pools[key]
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=30)
         # auto_decompress=False: the bytes a worker sends are the bytes the client gets.
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.source.start(self.set_endpoints)
         c = self.config
-        scraper = Scraper(
-            self.session,
-            lambda: self.state.endpoints,
-            self.on_metrics,
-            interval_s=c.scrape_interval_s,
-            timeout_s=c.scrape_timeout_s,
-            concurrency=c.scrape_concurrency,
-        )
-        self._scraper_task = asyncio.create_task(scraper.run())
-        if self.tokenizer is None and self.tokenizer_from_workers:
-            self._tokenizer_task = asyncio.create_task(self._fetch_tokenizer())
+        for pool in self.pools.values():
+            pool.start(
+                self.session,
+                scrape_interval_s=c.scrape_interval_s,
+                scrape_timeout_s=c.scrape_timeout_s,
+                scrape_concurrency=c.scrape_concurrency,
+                worker_headers=self._worker_auth,
+            )
 
-    async def _fetch_tokenizer(self) -> None:
-        assert self.session is not None
-        headers = {}
+    def _worker_auth(self) -> dict[str, str]:
+        """The router's own Authorization for a worker (its tokenizer fetch): the upstream key."""
         key = self.upstream_key.first() if self.upstream_key is not None else None
-        if key is not None:
-            headers["Authorization"] = f"Bearer {key}"
-        self.tokenizer = await tokenizer_from_workers(self.session, lambda: self.state.endpoints, headers)
+        return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
     async def stop(self, app: web.Application) -> None:
-        self.source.stop()
-        if self.waker is not None:
-            await self.waker.close()
-        if self._scraper_task is not None:
-            self._scraper_task.cancel()
-        if self._tokenizer_task is not None:
-            self._tokenizer_task.cancel()
-        if self.subscriptions is not None:
-            await self.subscriptions.close()
+        for pool in self.pools.values():
+            await pool.stop()
         if self.session is not None:
             await self.session.close()
 
     # -- requests ---------------------------------------------------------------------------------
-    async def _parse(self, request: web.Request) -> tuple[bytes, str, PickRequest, bool]:
+    async def _parse(self, request: web.Request) -> _Parsed:
         limit = self.config.max_body_bytes
         try:
             body = await read_body(request, (limit, limit))
@@ -360,28 +445,22 @@ class Router:
         else:
             text = prompt_prefix_text(payload.get("prompt"))
         hashes = block_hashes(model, text, self.config.block_chars, self.config.max_blocks)
-        return (
-            body,
-            model,
-            PickRequest(hashes, model, await self._token_prompt(chat, payload)),
-            (payload.get("stream") is True),
-        )
+        return _Parsed(body, model, payload, chat, payload.get("stream") is True, hashes)
 
-    async def _token_prompt(self, chat: bool, payload: dict) -> TokenPrompt | None:
-        """The prompt as the worker's token ids (for the precise index), when it has any synced
-        endpoint to match them at and the ids can be had: a prompt of ids, or the tokenizer."""
-        kv = self.state.kv_index
-        if kv is None or not any(kv.synced(e) for e in self.state.endpoints):
-            return None
-        salt = payload.get("cache_salt")
-        salt = salt if isinstance(salt, str) and salt else None
-        prompt = payload.get("prompt")
-        if not chat and isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return TokenPrompt(prompt, salt)
-        if self.tokenizer is None:
-            return None
-        ids = await self.tokenizer.token_ids_async(chat, payload)
-        return TokenPrompt(ids, salt) if ids else None
+    def _resolve(self, model: str) -> Pool:
+        """The model's pool, or OpenAI's 404 for a model no pool serves (before any queue)."""
+        try:
+            return self.pool_for(model)
+        except UnknownModel:
+            shown = model if len(model) <= MAX_MODEL_NAME_ECHO else model[:MAX_MODEL_NAME_ECHO] + "..."
+            raise APIError(
+                404, f"The model `{shown}` does not exist.", param="model", code="model_not_found"
+            ) from None
+
+    @staticmethod
+    async def _pick_request(pool: Pool, parsed: _Parsed) -> PickRequest:
+        prompt = await pool.token_prompt(parsed.chat, parsed.payload)
+        return PickRequest(parsed.hashes, parsed.model, prompt)
 
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -410,27 +489,38 @@ class Router:
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
         try:
-            body, model, pick, stream = await self._parse(request)
+            parsed = await self._parse(request)
         except APIError as e:
             self.metrics.rejected.labels("", "invalid").inc()
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
-        label = self.metrics.model(model)
+        try:
+            pool = self._resolve(parsed.model)
+        except APIError as e:  # the client's name makes no label: it is not a model here
+            self.metrics.rejected.labels("", "unknown_model").inc()
+            self.metrics.responses.labels("", str(e.status)).inc()
+            return _error(e)
+        pick = await self._pick_request(pool, parsed)
+        label = self.metrics.model(parsed.model)
         self.metrics.requests.labels(label).inc()
-        resp = await self._route(request, body, label, pick, stream, client)
+        resp = await self._route(request, pool, parsed.body, label, pick, parsed.stream, client)
         self.metrics.responses.labels(label, str(resp.status)).inc()
         return resp
 
     async def pick(self, request: web.Request) -> web.Response:
         """The dry run of a completion's pick (expose_picks): {"endpoint": URL or null,
-        "prefix_match": the blocks of its prefix the index says that endpoint holds}."""
+        "prefix_match": the blocks of its prefix the index says that endpoint holds}, in the pool
+        the request's model resolves to."""
         self.authenticate(request)
-        _, _, pick, _ = await self._parse(request)
-        endpoint, _ = self.state.peek(pick.hashes, (), pick.model, pick.prompt)
+        parsed = await self._parse(request)
+        pool = self._resolve(parsed.model)
+        pick = await self._pick_request(pool, parsed)
+        state = pool.state
+        endpoint, _ = state.peek(pick.hashes, (), pick.model, pick.prompt)
         match = 0
         if endpoint is not None:
-            adapter = self.state.adapter_of(pick.model)
-            cands = self.state.candidates(pick.hashes, adapter, pick.prompt)
+            adapter = state.adapter_of(pick.model)
+            cands = state.candidates(pick.hashes, adapter, pick.prompt)
             match = next(c.prefix_match for c in cands if c.name == endpoint)
         return web.json_response({"endpoint": endpoint, "prefix_match": match})
 
@@ -438,25 +528,27 @@ class Router:
         self.metrics.rejected.labels(label, reason).inc()
         return _error(err)
 
-    def _wake(self) -> None:
-        if self.waker is not None and not self.state.endpoints:
-            self.waker.wake()  # no worker ready: ask for one (single-flight)
-
     async def _acquire(
-        self, request: web.Request, label: str, pick: PickRequest, stream: bool, client: str = ""
+        self,
+        request: web.Request,
+        pool: Pool,
+        label: str,
+        pick: PickRequest,
+        stream: bool,
+        client: str = "",
     ):
-        """(an endpoint from flow control, the stream's response if waiting started it). While the
-        request waits: asks for a worker when none is ready, and a stream gets an SSE comment
-        every heartbeat_s (its 200 and headers go with the first)."""
-        self._wake()
-        acquire = asyncio.ensure_future(self.flow.acquire(client or label, pick, label))
+        """(an endpoint from the pool's flow control, the stream's response if waiting started it).
+        While the request waits: asks for a worker when the pool has none ready, and a stream gets
+        an SSE comment every heartbeat_s (its 200 and headers go with the first)."""
+        pool.wake()
+        acquire = asyncio.ensure_future(pool.flow.acquire(client or label, pick, label))
         early: web.StreamResponse | None = None
         try:
             while True:
                 done, _ = await asyncio.wait({acquire}, timeout=self.config.heartbeat_s)
                 if done:
                     return acquire.result(), early
-                self._wake()
+                pool.wake()
                 if stream:
                     if early is None:
                         early = web.StreamResponse(
@@ -468,7 +560,7 @@ class Router:
             if not acquire.done():
                 acquire.cancel()  # it leaves the queue
             elif not acquire.cancelled() and acquire.exception() is None:
-                self._done(acquire.result())  # handed one as its client left: it goes back
+                pool.done(acquire.result())  # handed one as its client left: it goes back
             if isinstance(e, (QueueFull, QueueTimeout)):
                 e.early = early  # type: ignore[attr-defined]
             raise
@@ -476,6 +568,7 @@ class Router:
     async def _route(
         self,
         request: web.Request,
+        pool: Pool,
         body: bytes,
         label: str,
         pick: PickRequest,
@@ -487,14 +580,14 @@ class Router:
         queued_at = time.monotonic()
         early: web.StreamResponse | None = None
         try:
-            endpoint, early = await self._acquire(request, label, pick, stream, client)
+            endpoint, early = await self._acquire(request, pool, label, pick, stream, client)
         except ClientQueueFull:
             return self._refuse(
                 label,
                 "client_queue_full",
                 APIError(
                     429,
-                    f"this client already has {self.flow.max_per_key} requests waiting in the router",
+                    f"this client already has {pool.flow.max_per_key} requests waiting in the router",
                     "rate_limit_exceeded",
                     code="client_queue_full",
                     headers=retry_after,
@@ -545,17 +638,17 @@ class Router:
                     timeout,
                     len(tried) <= c.max_retries,
                     early,
-                    lambda e=endpoint: self.state.prefill_done(e, pick.prompt),
+                    lambda e=endpoint: pool.state.prefill_done(e, pick.prompt),
                 )
             finally:
                 in_flight.dec()
-                self.state.request_done(endpoint, pick.prompt)
-                self._done(endpoint)
+                pool.state.request_done(endpoint, pick.prompt)
+                pool.done(endpoint)
             if isinstance(outcome, web.StreamResponse):
                 return outcome
             reason, answer = outcome
             last = answer or last
-            endpoint = self._next(pick, tried)
+            endpoint = self._next(pool, pick, tried)
             if endpoint is not None:
                 self.metrics.retries.labels(reason).inc()
         if last is not None:  # every endpoint tried said 429/503: the last one's answer, as it was
@@ -620,11 +713,12 @@ class Router:
             return await self._stream_into(request, upstream, early, first_byte)
         return await self._stream(request, upstream, first_byte, endpoint)
 
-    def _next(self, pick: PickRequest, tried: list[str]) -> str | None:
-        """Another endpoint for a retry (never one tried already; a retry does not queue)."""
+    def _next(self, pool: Pool, pick: PickRequest, tried: list[str]) -> str | None:
+        """Another endpoint of the pool for a retry (never one tried already; a retry does not
+        queue)."""
         if len(tried) > self.config.max_retries:
             return None
-        return self._choose(pick, exclude=tried)
+        return pool.choose(pick, exclude=tried)
 
     async def _stream(
         self,
@@ -693,11 +787,34 @@ class Router:
         return await _as_event(early, web.Response(status=upstream.status, body=data))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """Pass-through to one endpoint (any can answer: they serve the same model)."""
+        """One pool: a pass-through to one endpoint (any can answer: they serve the same model).
+        Pools: the union of each pool's list (from one of its ready endpoints; a pool none of whose
+        endpoints answers, at zero or down, listed from its flags), first entry of an id kept.
+        Never wakes a pool: listing models is no demand for one."""
         assert self.session is not None
         self.authenticate(request)
+        if self.legacy:
+            return await self._models_of_one(request, self._only)
+        headers = {**self._forward_headers(request), "Accept-Encoding": "identity"}  # parsed here
+        answers = await asyncio.gather(*(self._pool_models(p, headers) for p in self.pools.values()))
+        data: list[dict] = []
+        seen: set[str] = set()
+        for answer in answers:
+            if isinstance(answer, web.Response):
+                return answer  # a worker refused the client's credentials: that is the answer
+            for entry in answer:
+                if entry["id"] not in seen:
+                    seen.add(entry["id"])
+                    data.append(entry)
+        return web.json_response({"object": "list", "data": data})
+
+    def _by_load(self, pool: Pool) -> list[str]:
+        return sorted(pool.state.endpoints, key=lambda e: pool.state.in_flight.get(e, 0))
+
+    async def _models_of_one(self, request: web.Request, pool: Pool) -> web.StreamResponse:
+        assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=10, sock_connect=self.config.connect_timeout_s)
-        for endpoint in sorted(self.state.endpoints, key=lambda e: self.state.in_flight.get(e, 0)):
+        for endpoint in self._by_load(pool):
             try:
                 async with self.session.get(
                     endpoint + "/v1/models", headers=self._forward_headers(request), timeout=timeout
@@ -707,22 +824,48 @@ class Router:
                 continue
         return _error(APIError(503, "no worker could be reached", "server_error", code="no_endpoint"))
 
+    async def _pool_models(self, pool: Pool, headers: dict[str, str]) -> list[dict] | web.Response:
+        """A pool's /v1/models entries: its endpoints' (least loaded first, the first that answers
+        a list within 10 s in all), else its model and adapters= as the flags say. A worker's 401 or
+        403 comes back as it was (the client's credentials are the workers' business)."""
+        assert self.session is not None and pool.name is not None
+        timeout = aiohttp.ClientTimeout(total=10, sock_connect=self.config.connect_timeout_s)
+        try:
+            async with asyncio.timeout(10):
+                for endpoint in self._by_load(pool):
+                    try:
+                        async with self.session.get(
+                            endpoint + "/v1/models", headers=headers, timeout=timeout
+                        ) as r:
+                            body = await read_capped(r, MAX_MODELS_BYTES)
+                            if r.status in (401, 403):
+                                return web.Response(status=r.status, body=body, headers=_response_headers(r))
+                            if r.status == 200:
+                                return _model_entries(json.loads(body))
+                    except (aiohttp.ClientError, TimeoutError, TooLarge, ValueError, RecursionError):
+                        continue
+        except TimeoutError:
+            pass
+        return synthesized_models(pool.name, pool.adapters, self.started_at)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        """503 until the first list; then 200, with the list's staleness reported: past the
-        watch's bound the router keeps routing to the endpoints it last knew (as kube-proxy does
-        while the API server is away) rather than turn an API outage into a data-plane one."""
-        if not self.source.synced:
+        """503 until every pool's first list; then 200, with the lists' staleness reported: past
+        the watch's bound the router keeps routing to the endpoints it last knew (as kube-proxy
+        does while the API server is away) rather than turn an API outage into a data-plane one."""
+        pools = self.pools.values()
+        if not all(p.source.synced for p in pools):
             return web.json_response({"status": "syncing"}, status=503)
         age = self.source_age()
-        stale = getattr(self.source, "stale", None)
-        body = {
-            "status": "stale" if stale is not None and stale() else "ready",
-            "endpoints": len(self.state.endpoints),
+        body: dict = {
+            "status": "stale" if any(p.stale() for p in pools) else "ready",
+            "endpoints": len(set().union(*(p.state.endpoints for p in pools))),
             "endpoints_age_s": None if age is None else round(age, 1),
         }
+        if not self.legacy:
+            body["pools"] = {p.name: len(p.state.endpoints) for p in pools}
         return web.json_response(body)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -739,6 +882,15 @@ async def _as_event(early: web.StreamResponse | None, answer: web.Response) -> w
     await early.write(b"data: " + body.replace(b"\n", b" ") + b"\n\ndata: [DONE]\n\n")
     await early.write_eof()
     return early
+
+
+def _model_entries(answer: object) -> list[dict]:
+    """The entries of a worker's /v1/models answer that have an id (the worker is a network peer:
+    anything else is dropped); ValueError when it is not a list answer."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not a model list")
+    return [e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
 
 
 def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:

@@ -80,11 +80,16 @@ def test_the_chart_lints_strictly():
 def test_the_charts_crd_is_the_one_generated_from_the_models():
     """crds/ is checked against `kvscale-operator crd` (tests/test_operator_units.py); the chart's
     copy (Helm reads CRDs only from inside the chart) must be that file, byte for byte."""
-    (crd,) = (REPO / "crds").iterdir()
-    assert (CHART / "crds" / crd.name).read_bytes() == crd.read_bytes(), (
-        f"the chart's CRD is stale: cp {crd.relative_to(REPO)} {CHART.relative_to(REPO)}/crds/"
-    )
-    assert [p.name for p in (CHART / "crds").iterdir()] == [crd.name]
+    crds = sorted((REPO / "crds").iterdir())
+    assert [p.name for p in crds] == [
+        "inferencedeployments.kvscale.dev.yaml",
+        "inferenceendpoints.kvscale.dev.yaml",
+    ]
+    for crd in crds:
+        assert (CHART / "crds" / crd.name).read_bytes() == crd.read_bytes(), (
+            f"the chart's CRD is stale: cp {crd.relative_to(REPO)} {CHART.relative_to(REPO)}/crds/"
+        )
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [p.name for p in crds]
 
 
 def test_the_default_values_render_the_kustomize_install():

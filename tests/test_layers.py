@@ -57,7 +57,8 @@ STACKS: dict[str, list[tuple[str, ...]]] = {
         ("kvscale.operator.adapters",),  # reads the autoscaler's pod cache and pod states
         ("kvscale.operator.handlers", "kvscale.operator.health", "kvscale.operator.main", "kvscale.operator"),
     ],
-    # The router: pure picking and bookkeeping, its view of the endpoints, its I/O, the server.
+    # The router: pure picking and bookkeeping, its view of the endpoints, its I/O, a pool of
+    # workers (one model's), the server.
     "router": [
         (
             "kvscale.router.picker",
@@ -74,6 +75,7 @@ STACKS: dict[str, list[tuple[str, ...]]] = {
             "kvscale.router.kv_events",
             "kvscale.router.tokenizer",
         ),
+        ("kvscale.router.pool",),  # one model's workers: its state, source, queue, waker, ...
         ("kvscale.router.server",),
         ("kvscale.router.main", "kvscale.router"),
     ],

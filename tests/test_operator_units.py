@@ -45,6 +45,10 @@ def test_committed_crd_is_generated_from_the_models():
     assert committed == crd_yaml(), (
         "crds/ is stale: run `kvscale-operator crd > crds/inferencedeployments.kvscale.dev.yaml`"
     )
+    committed = (REPO / "crds" / "inferenceendpoints.kvscale.dev.yaml").read_text()
+    assert committed == crd_yaml(endpoint=True), (
+        "crds/ is stale: run `kvscale-operator crd --endpoint > crds/inferenceendpoints.kvscale.dev.yaml`"
+    )
 
 
 def test_crd_schema_is_structural_and_documented():
@@ -332,6 +336,11 @@ def test_docs_reference_is_generated_from_the_models():
     embedded = doc[doc.index(start) + len(start) : doc.index(end)]
     assert embedded == reference_markdown(), (
         "docs/operator.md is stale: regenerate with `kvscale-operator crd --markdown`"
+    )
+    start, end = "<!-- endpoint-reference:start -->\n", "<!-- endpoint-reference:end -->"
+    embedded = doc[doc.index(start) + len(start) : doc.index(end)]
+    assert embedded == reference_markdown(endpoint=True), (
+        "docs/operator.md is stale: regenerate with `kvscale-operator crd --markdown --endpoint`"
     )
 
 

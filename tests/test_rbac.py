@@ -20,12 +20,14 @@ import pytest
 import yaml
 
 from kvscale.operator import main
+from kvscale.operator.api.endpoint import InferenceEndpointSpec
 from kvscale.operator.api.groupversion import GROUP, PLURAL
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.kube import access
 from kvscale.operator.kube import client as kube_client
 from kvscale.operator.kube.client import LISTED_KINDS, Kube
 from kvscale.operator.reconcile.children import Owner, all_children, router_role_rules
+from kvscale.operator.reconcile.endpoint import Member, endpoint_children
 from kvscale.operator.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,6 +109,17 @@ FILE_CALLS = {
         ("delete_namespaced_custom_object", "delete", "namespaced"),
     )
 }
+# kube/client.py reads and writes the status of both of our kinds: the InferenceDeployments and
+# the InferenceEndpoints (Kube.get_endpoint, Kube.apply_endpoint_status).
+ENDPOINTS = "inferenceendpoints"
+FILE_CALLS[("client.py", "get_namespaced_custom_object")] = [
+    (GROUP, PLURAL, "get", "namespaced"),
+    (GROUP, ENDPOINTS, "get", "namespaced"),
+]
+FILE_CALLS[("client.py", "patch_namespaced_custom_object_status")] = [
+    (GROUP, f"{PLURAL}/status", "patch", "namespaced"),
+    (GROUP, f"{ENDPOINTS}/status", "patch", "namespaced"),
+]
 FILE_CALLS[("leaderworkerset.py", "get_namespaced_custom_object_scale")] = [
     (LWS[0], "leaderworkersets/scale", "get", "namespaced")
 ]
@@ -189,7 +202,8 @@ def kopf_requests(clusterwide: bool) -> set[tuple[str, str, str]]:
     }
     assert not registry._spawning.get_all_handlers(), "a daemon or timer: kopf adds finalizers for it"
     sent = {(g, r, v) for g, r in served for v in ("list", "watch")}
-    sent |= {(GROUP, f"{PLURAL}/status", "patch"), ("", "events", "create")}
+    sent |= {(GROUP, f"{plural}/status", "patch") for plural in (PLURAL, ENDPOINTS)}
+    sent.add(("", "events", "create"))
     if clusterwide:
         sent |= {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
     return sent
@@ -216,12 +230,16 @@ def admission_checks() -> set[tuple[str, str, str]]:
         for s in (spec, group)
         for child in all_children(Owner("tiny", "ns", "uid-1"), s, "worker:1", "router:1", pools=True)
     ]
-    for child in rendered:
+    owners = {"InferenceDeployment": PLURAL, "InferenceEndpoint": ENDPOINTS}
+    shared = endpoint_children(
+        Owner("e", "ns", "uid-2"), InferenceEndpointSpec(), [Member("a", "a", (), True)], "r"
+    )
+    for child in [*rendered, *shared]:
         checks.add((*plurals[child["kind"]], "delete"))
         for ref in child["metadata"]["ownerReferences"]:
             if ref.get("blockOwnerDeletion"):
-                assert ref["apiVersion"].split("/")[0] == GROUP and ref["kind"] == "InferenceDeployment"
-                checks.add((GROUP, f"{PLURAL}/finalizers", "update"))
+                assert ref["apiVersion"].split("/")[0] == GROUP and ref["kind"] in owners
+                checks.add((GROUP, f"{owners[ref['kind']]}/finalizers", "update"))
     return checks
 
 

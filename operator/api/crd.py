@@ -1,6 +1,7 @@
 """Generate the CustomResourceDefinition (and the reference docs) from the pydantic models.
 
     kvscale-operator crd > crds/inferencedeployments.kvscale.dev.yaml
+    kvscale-operator crd --endpoint > crds/inferenceendpoints.kvscale.dev.yaml
     kvscale-operator crd --markdown   # the field reference of docs/operator.md
 
 Pydantic's JSON Schema becomes a Kubernetes structural schema: references inlined, optional
@@ -15,6 +16,12 @@ from typing import Any
 
 import yaml
 
+from kvscale.operator.api.endpoint import (
+    ENDPOINT_KIND,
+    ENDPOINT_PLURAL,
+    InferenceEndpointSpec,
+    InferenceEndpointStatus,
+)
 from kvscale.operator.api.groupversion import GROUP, KIND, PLURAL, VERSION
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.api.status import InferenceDeploymentStatus
@@ -75,29 +82,36 @@ def schema_of(model) -> dict[str, Any]:
     return _structural(raw, raw.get("$defs", {}))
 
 
-def status_schema() -> dict[str, Any]:
-    schema = schema_of(InferenceDeploymentStatus)
+def status_schema(model=InferenceDeploymentStatus) -> dict[str, Any]:
+    schema = schema_of(model)
     schema.pop("x-kubernetes-preserve-unknown-fields", None)  # unknown fields are pruned, not kept
     # kopf keeps its progress and diff base under status.kopf, in its own shape.
     schema["properties"]["kopf"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     return schema
 
 
-def crd() -> dict[str, Any]:
-    spec = schema_of(InferenceDeploymentSpec)
+def _crd(
+    kind: str,
+    plural: str,
+    short_names: list[str],
+    spec_model,
+    status_model,
+    subresources: dict[str, Any],
+    columns: list[dict[str, Any]],
+) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": KIND.lower(),
-                "shortNames": SHORT_NAMES,
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": kind.lower(),
+                "shortNames": short_names,
                 "categories": ["kvscale"],
             },
             "versions": [
@@ -108,7 +122,7 @@ def crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": InferenceDeploymentSpec.__doc__,
+                            "description": spec_model.__doc__,
                             "required": ["spec"],
                             # CEL sees metadata.name only from the root.
                             "x-kubernetes-validations": [NAME_RULE.schema()],
@@ -116,44 +130,80 @@ def crd() -> dict[str, Any]:
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
-                                "spec": spec,
-                                "status": status_schema(),
+                                "spec": schema_of(spec_model),
+                                "status": status_schema(status_model),
                             },
                         }
                     },
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": [
-                        {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
-                        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-                        {
-                            "name": "KV Usage",
-                            "type": "number",
-                            "format": "float",
-                            "jsonPath": ".status.kvCacheUsage",
-                        },
-                        {
-                            "name": "Status",
-                            "type": "string",
-                            "jsonPath": ".status.conditions[?(@.type=='Ready')].reason",
-                        },
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
+                    "subresources": subresources,
+                    "additionalPrinterColumns": columns,
                 }
             ],
         },
     }
 
 
-def crd_yaml() -> str:
-    header = "# Generated from kvscale.operator.api by `kvscale-operator crd`; do not edit by hand.\n"
-    return header + yaml.dump(crd(), Dumper=_NoAliases, sort_keys=False, width=100)
+def crd() -> dict[str, Any]:
+    return _crd(
+        KIND,
+        PLURAL,
+        SHORT_NAMES,
+        InferenceDeploymentSpec,
+        InferenceDeploymentStatus,
+        {
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+        [
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+            {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+            {
+                "name": "KV Usage",
+                "type": "number",
+                "format": "float",
+                "jsonPath": ".status.kvCacheUsage",
+            },
+            {
+                "name": "Status",
+                "type": "string",
+                "jsonPath": ".status.conditions[?(@.type=='Ready')].reason",
+            },
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    )
+
+
+def endpoint_crd() -> dict[str, Any]:
+    """The InferenceEndpoint (api/endpoint.py)."""
+    return _crd(
+        ENDPOINT_KIND,
+        ENDPOINT_PLURAL,
+        ["infe"],
+        InferenceEndpointSpec,
+        InferenceEndpointStatus,
+        {"status": {}},
+        [
+            {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+            {"name": "Models", "type": "string", "jsonPath": ".status.models[*].name"},
+            {
+                "name": "Status",
+                "type": "string",
+                "jsonPath": ".status.conditions[?(@.type=='Ready')].reason",
+            },
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+    )
+
+
+def crd_yaml(endpoint: bool = False) -> str:
+    flag = " --endpoint" if endpoint else ""
+    header = f"# Generated from kvscale.operator.api by `kvscale-operator crd{flag}`; do not edit by hand.\n"
+    body = endpoint_crd() if endpoint else crd()
+    return header + yaml.dump(body, Dumper=_NoAliases, sort_keys=False, width=100)
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -163,8 +213,11 @@ class _NoAliases(yaml.SafeDumper):
         return True
 
 
-def reference_markdown() -> str:
-    """The field reference for docs/operator.md, from the same schema."""
+def reference_markdown(endpoint: bool = False) -> str:
+    """The field reference for docs/operator.md (of the InferenceEndpoint with `endpoint`), from
+    the same schema."""
+    spec_model = InferenceEndpointSpec if endpoint else InferenceDeploymentSpec
+    status_model = InferenceEndpointStatus if endpoint else InferenceDeploymentStatus
     lines = ["| field | type | default | description |", "|---|---|---|---|"]
 
     def walk(schema: dict[str, Any], prefix: str, required: set[str]) -> None:
@@ -193,7 +246,7 @@ def reference_markdown() -> str:
             elif sub.get("type") == "array" and sub.get("items", {}).get("type") == "object":
                 walk(sub["items"], path + "[]", set(sub["items"].get("required", [])))
 
-    spec = schema_of(InferenceDeploymentSpec)
+    spec = schema_of(spec_model)
     walk(spec, "spec", set(spec.get("required", [])))
     rules = [v["message"] for v in spec.get("x-kubernetes-validations", [])]
     lines.append("")
@@ -202,7 +255,7 @@ def reference_markdown() -> str:
     lines.append("")
     lines.append("| status field | type | description |")
     lines.append("|---|---|---|")
-    for name, sub in status_schema()["properties"].items():
+    for name, sub in status_schema(status_model)["properties"].items():
         if name != "kopf":
             lines.append(f"| `status.{name}` | {sub.get('type', '')} | {sub.get('description', '')} |")
     return "\n".join(lines) + "\n"

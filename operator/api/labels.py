@@ -11,6 +11,9 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_OWNER = f"{GROUP}/inference-deployment"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+# An InferenceEndpoint's router pods and children (reconcile/endpoint.py): not LABEL_OWNER, so the
+# InferenceDeployments' watches and resync never see them.
+LABEL_ENDPOINT = f"{GROUP}/inference-endpoint"
 WORKER = "kvscale-worker"
 ROUTER = "kvscale-router"
 # What the operator's watches and lists select: the objects it made (server-side: only ours are

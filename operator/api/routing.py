@@ -7,18 +7,35 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvscale.operator.api.validation import CamelModel, ObjectName, Quantity
+from kvscale.operator.api.validation import (
+    DNS_LABEL,
+    NAME_MAX,
+    CamelModel,
+    ObjectName,
+    Quantity,
+    Rule,
+    checked,
+    matches,
+)
+
+# An InferenceEndpoint's name names its Service too: a DNS label (NAME_RULE's grammar).
+EndpointName = checked(
+    str,
+    Rule(
+        f"self.matches(r'{DNS_LABEL}')",
+        "must be the name of an InferenceEndpoint: lowercase letters, digits and '-', starting "
+        "with a letter and ending with a letter or digit",
+        matches(DNS_LABEL),
+    ),
+    min_length=1,
+    max_length=NAME_MAX,
+)
 
 
-class RouterSpec(CamelModel):
-    """The router in front of the workers (kvscale-router): per-request picking by prefix
-    affinity, KV usage and queue depth, flow control, scale from zero."""
+class RouterSettings(CamelModel):
+    """A router's pods and how it knows the workers' caches: the settings an InferenceDeployment's
+    own router and a shared InferenceEndpoint's have in common."""
 
-    enabled: bool = Field(
-        default=True,
-        description="Deploy the router and its Service (NAME-router). Off: clients use the "
-        "workers' Service, and minReplicas 0 has nothing to wake the workers.",
-    )
     replicas: int = Field(
         default=2,
         ge=1,
@@ -43,6 +60,25 @@ class RouterSpec(CamelModel):
         "replica keeps their exact index, tokenizing with the model's tokenizer fetched from a "
         "worker (about 40 MB more router memory). approximate: the router remembers where it "
         "sent each prompt's leading characters (no events, no tokenizer). docs/router.md.",
+    )
+
+
+class RouterSpec(RouterSettings):
+    """The router in front of the workers (kvscale-router): per-request picking by prefix
+    affinity, KV usage and queue depth, flow control, scale from zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Deploy the router and its Service (NAME-router). Off: clients use the "
+        "workers' Service, and minReplicas 0 has nothing to wake the workers.",
+    )
+    endpoint: EndpointName | None = Field(
+        default=None,
+        description="Serve this model behind the shared router of the InferenceEndpoint of this "
+        "name (same namespace), beside the other models that name it, instead of a router of its "
+        "own: one URL for many models, `model` in the request picks the workers. The other "
+        "router fields are then the endpoint's (its spec.router); prefixIndex still says whether "
+        "these workers publish KV events. docs/operator.md.",
     )
 
 

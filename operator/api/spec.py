@@ -54,6 +54,13 @@ class InferenceDeploymentSpec(CamelModel):
             "router sees a request arrive and asks for a worker",
             lambda s: s.autoscaling is None or s.autoscaling.min_replicas > 0 or s.router.enabled,
         ),
+        # A shared router is a router: with it off, the endpoint would never hear of this model.
+        Rule(
+            "!has(self.router) || !has(self.router.endpoint) || !has(self.router.enabled) || "
+            "self.router.enabled",
+            "router.endpoint needs router.enabled: the endpoint's router is this model's router",
+            lambda s: s.router.endpoint is None or s.router.enabled,
+        ),
         # With GPUs a rank is a GPU: a pod's ranks and its GPUs are one number.
         Rule(
             "!has(self.parallelism) || !has(self.resources) || !has(self.resources.gpus) || "

@@ -18,6 +18,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
+from kvscale.operator.api.endpoint import ENDPOINT_KIND, ENDPOINT_PLURAL
 from kvscale.operator.api.groupversion import GROUP, KIND, PLURAL, VERSION
 from kvscale.operator.api.labels import CHILD_SELECTOR, MANAGER
 from kvscale.operator.api.status import status_apply
@@ -231,6 +232,45 @@ class Kube:
             )["items"]
         ]
 
+    def list_resources_in(self, namespace: str) -> list[dict[str, Any]]:
+        """The InferenceDeployments of one namespace (an endpoint's members are its neighbours)."""
+        return client.CustomObjectsApi(self.api).list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, _request_timeout=API_TIMEOUT_S
+        )["items"]
+
+    # -- the InferenceEndpoints -------------------------------------------------------------
+    def get_endpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return client.CustomObjectsApi(self.api).get_namespaced_custom_object(
+                GROUP, VERSION, namespace, ENDPOINT_PLURAL, name, _request_timeout=API_TIMEOUT_S
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def apply_endpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Server-side apply of the endpoint's status (the operator is its only writer)."""
+        metrics.STATUS_WRITES.labels(MANAGER).inc()
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": ENDPOINT_KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "status": status,
+        }
+        client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            ENDPOINT_PLURAL,
+            name,
+            body,
+            field_manager=MANAGER,
+            force=True,
+            _content_type=APPLY,
+            _request_timeout=API_TIMEOUT_S,
+        )
+
     def apply_status(self, namespace: str, name: str, status: dict[str, Any], manager: str) -> None:
         """Server-side apply of `manager`'s own status fields (api/status.status_apply checks which)."""
         metrics.STATUS_WRITES.labels(manager).inc()
@@ -247,7 +287,9 @@ class Kube:
             _request_timeout=API_TIMEOUT_S,
         )
 
-    def post_event(self, cr: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+    def post_event(
+        self, cr: dict[str, Any], reason: str, message: str, *, warning: bool = False, kind: str = KIND
+    ) -> None:
         """A core/v1 Event on the resource. Our own poster rather than kopf.info: kopf's works only
         inside its handlers, and the resync task is not one. Best effort: a lost event is logged."""
         meta = cr["metadata"]
@@ -256,7 +298,7 @@ class Kube:
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
                 "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
+                "kind": kind,
                 "name": meta["name"],
                 "namespace": meta["namespace"],
                 "uid": meta.get("uid"),

@@ -23,6 +23,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from kvscale.operator.api.model import is_hf
+from kvscale.operator.api.routing import RouterSettings
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.api.validation import CamelModel
 
@@ -192,6 +193,17 @@ def _secret_refs(spec: InferenceDeploymentSpec) -> tuple[list[tuple[str, str]], 
         if v.value_from is not None and v.value_from.secret_key_ref is not None
     ]
     return purpose, env
+
+
+def check_router(router: RouterSettings, policy: AdminPolicy) -> list[Violation]:
+    """An InferenceEndpoint's shared router against `policy`: its image and its replicas."""
+    out: list[Violation] = []
+    if policy.images is not None and router.image is not None and not _glob(router.image, policy.images):
+        message = f"image {router.image!r} is not one the admin policy allows"
+        out.append(Violation("spec.router.image", message))
+    if policy.max_replicas is not None and router.replicas > policy.max_replicas:
+        out.append(Violation("spec.router.replicas", f"at most {policy.max_replicas} (admin policy)"))
+    return out
 
 
 def check(spec: InferenceDeploymentSpec, policy: AdminPolicy) -> list[Violation]:

@@ -26,6 +26,7 @@ from kubernetes.utils import parse_quantity
 from kvscale.operator.api.groupversion import GROUP, KIND, VERSION
 from kvscale.operator.api.labels import (
     LABEL_COMPONENT,
+    LABEL_ENDPOINT,
     LABEL_INSTANCE,
     LABEL_MANAGED_BY,
     LABEL_NAME,
@@ -36,6 +37,7 @@ from kvscale.operator.api.labels import (
 )
 from kvscale.operator.api.model import is_hf
 from kvscale.operator.api.pod import RESERVED_LABELS, RESERVED_PREFIX
+from kvscale.operator.api.routing import RouterSettings
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.api.validation import DNS_LABEL, QUANTITY, search
 from kvscale.operator.reconcile.admin_policy import AdminPolicy, NetworkPolicySettings, PodSecurity
@@ -753,6 +755,12 @@ def router_selector_labels(name: str) -> dict[str, str]:
     return {LABEL_NAME: ROUTER, LABEL_INSTANCE: name}
 
 
+def endpoint_selector_labels(endpoint: str) -> dict[str, str]:
+    """An InferenceEndpoint's router pods: no instance label, so that no InferenceDeployment's
+    router selector (name + instance) ever takes them in, whatever the names."""
+    return {LABEL_NAME: ROUTER, LABEL_ENDPOINT: endpoint}
+
+
 def router_selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in router_selector_labels(name).items())
 
@@ -803,13 +811,36 @@ def _router_cpu_request(limit: str) -> str:
 def router_deployment(
     owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
 ) -> dict[str, Any]:
-    r = spec.router
+    return router_pods_deployment(
+        _router_metadata(owner),
+        router_selector_labels(owner.name),
+        spec.router,
+        router_args(owner, spec),
+        image,
+        api_key_secret=spec.server.api_key_secret,
+        ids=ids,
+    )
+
+
+def router_pods_deployment(
+    meta: dict[str, Any],
+    selector: dict[str, str],
+    r: RouterSettings,
+    args: list[str],
+    image: str,
+    *,
+    api_key_secret: str | None = None,
+    ids: PodSecurity | None = None,
+) -> dict[str, Any]:
+    """The router's Deployment: an InferenceDeployment's own (router_deployment) or an
+    InferenceEndpoint's (reconcile/endpoint.py); its ServiceAccount has the Deployment's name."""
     http = {"path": "/ready", "port": "http"}
+    precise = r.prefix_index == "precise"
     container = {
         "name": "router",
         "image": image,
         "command": ["kvscale-router"],
-        "args": router_args(owner, spec),
+        "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         # A small CPU request (routers of many resources share small nodes), bursting to the limit.
         "resources": {
@@ -827,11 +858,11 @@ def router_deployment(
         "securityContext": CONTAINER_SECURITY,
     }
     volumes, mounts = [], []
-    if spec.server.api_key_secret:
-        secret = {"secretName": spec.server.api_key_secret, "items": [{"key": "api-key", "path": "api-key"}]}
+    if api_key_secret:
+        secret = {"secretName": api_key_secret, "items": [{"key": "api-key", "path": "api-key"}]}
         volumes.append({"name": "api-keys", "secret": secret})
         mounts.append({"name": "api-keys", "mountPath": ROUTER_KEYS_DIR, "readOnly": True})
-    if precise_index(spec):
+    if precise:
         # The tokenizer fetched from a worker is written out and loaded from /tmp (the root
         # filesystem is read-only): its files are at most 64 MiB (the worker's cap).
         volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": ROUTER_TMP}})
@@ -840,14 +871,14 @@ def router_deployment(
         container["env"] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
     if mounts:
         container["volumeMounts"] = mounts
-    labels_ = {**router_selector_labels(owner.name), LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
+    labels_ = {**selector, LABEL_MANAGED_BY: MANAGER, LABEL_COMPONENT: "router"}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _router_metadata(owner),
+        "metadata": meta,
         "spec": {
             "replicas": r.replicas,
-            "selector": {"matchLabels": router_selector_labels(owner.name)},
+            "selector": {"matchLabels": dict(selector)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "template": {
@@ -856,7 +887,7 @@ def router_deployment(
                     "annotations": dict(SCRAPE_ANNOTATIONS),
                 },
                 "spec": {
-                    "serviceAccountName": router_name(owner.name),
+                    "serviceAccountName": meta["name"],
                     # The router watches EndpointSlices and writes /scale: it needs its token.
                     "automountServiceAccountToken": True,
                     "containers": [container],
@@ -868,7 +899,7 @@ def router_deployment(
                             "maxSkew": 1,
                             "topologyKey": "kubernetes.io/hostname",
                             "whenUnsatisfiable": "ScheduleAnyway",
-                            "labelSelector": {"matchLabels": router_selector_labels(owner.name)},
+                            "labelSelector": {"matchLabels": dict(selector)},
                         }
                     ],
                     # Longer than preStop + the router's own drain (--shutdown-timeout, 30 s).
@@ -952,8 +983,9 @@ def router_rbac(owner: Owner) -> list[dict[str, Any]]:
 def router_children(
     owner: Owner, spec: InferenceDeploymentSpec, image: str, ids: PodSecurity | None = None
 ) -> list[dict[str, Any]]:
-    """The router's children; none with the router off (the handlers delete what is left)."""
-    if not spec.router.enabled:
+    """The router's children; none with the router off or shared (an InferenceEndpoint's: the
+    handlers delete what is left)."""
+    if not spec.router.enabled or spec.router.endpoint is not None:
         return []
     return [
         *router_rbac(owner),
@@ -964,7 +996,10 @@ def router_children(
 
 
 def endpoint_url(owner: Owner, spec: InferenceDeploymentSpec) -> str:
-    """Where clients send requests: the router's Service, or without it the workers'."""
+    """Where clients send requests: the router's Service, the shared InferenceEndpoint's (named
+    as the endpoint), or without a router the workers'."""
+    if spec.router.enabled and spec.router.endpoint is not None:
+        return f"http://{spec.router.endpoint}.{owner.namespace}.svc:{PORT}"
     host = router_name(owner.name) if spec.router.enabled else owner.name
     return f"http://{host}.{owner.namespace}.svc:{PORT}"
 
@@ -1039,7 +1074,7 @@ def operator_peer(operator_namespace: str) -> dict[str, Any]:
     }
 
 
-def _http_from(peers: list[dict[str, Any]]) -> dict[str, Any]:
+def http_from(peers: list[dict[str, Any]]) -> dict[str, Any]:
     """An ingress rule: `peers` on the workers' and routers' one port (the OpenAI API and
     /metrics). Fresh lists each time: no object is shared between two children."""
     return {"from": copy.deepcopy(peers), "ports": [{"protocol": "TCP", "port": PORT}]}
@@ -1065,13 +1100,15 @@ def network_policies(
     api = "networking.k8s.io/v1"
     worker_rules: list[dict[str, Any]] = []
     if spec.router.enabled:
-        routers = _http_from([{"podSelector": {"matchLabels": router_selector_labels(owner.name)}}])
+        shared = spec.router.endpoint
+        selector = router_selector_labels(owner.name) if shared is None else endpoint_selector_labels(shared)
+        routers = http_from([{"podSelector": {"matchLabels": selector}}])
         if precise_index(spec):  # the routers subscribe to the workers' KV events
             routers["ports"] += [{"protocol": "TCP", "port": p} for p in (KV_EVENTS_PORT, KV_REPLAY_PORT)]
         worker_rules.append(routers)
     if not spec.router.enabled or pooled:  # clients (or a gateway) reach the workers directly
-        worker_rules.append(_http_from(clients))
-    worker_rules.append(_http_from(scrapers))
+        worker_rules.append(http_from(clients))
+    worker_rules.append(http_from(scrapers))
     if spec.nodes > 1:
         # A group's ranks: torch.distributed's rendezvous and NCCL's own (random) ports.
         worker_rules.append({"from": [{"podSelector": {"matchLabels": selector_labels(owner.name)}}]})
@@ -1087,7 +1124,7 @@ def network_policies(
             },
         }
     ]
-    if spec.router.enabled:
+    if spec.router.enabled and spec.router.endpoint is None:
         out.append(
             {
                 "apiVersion": api,
@@ -1096,7 +1133,7 @@ def network_policies(
                 "spec": {
                     "podSelector": {"matchLabels": router_selector_labels(owner.name)},
                     "policyTypes": ["Ingress"],
-                    "ingress": [_http_from(clients), _http_from(scrapers)],
+                    "ingress": [http_from(clients), http_from(scrapers)],
                 },
             }
         )
@@ -1106,7 +1143,9 @@ def network_policies(
 # --- ownership ---------------------------------------------------------------------------------
 
 
-def foreign(live: dict[str, Any] | None, owner: Owner) -> str | None:
+def foreign(
+    live: dict[str, Any] | None, owner: Owner, kind: str = KIND, owner_label: str = LABEL_OWNER
+) -> str | None:
     """Why the live object of a child's name is not ours to apply over (None: it is ours, or
     there is none). Ours: an owner reference to this resource; or to a resource of this name
     that is gone (deleted and re-created before the garbage collector came); or, with no
@@ -1121,14 +1160,14 @@ def foreign(live: dict[str, Any] | None, owner: Owner) -> str | None:
     controller = next((r for r in refs if r.get("controller")), None)
     if controller is not None:
         if (
-            controller.get("kind") == KIND
+            controller.get("kind") == kind
             and str(controller.get("apiVersion", "")).startswith(f"{GROUP}/")
             and controller.get("name") == owner.name
         ):
             return None
         return f"controlled by {controller.get('kind')} {controller.get('name')}"
     labels_ = meta.get("labels") or {}
-    if labels_.get(LABEL_MANAGED_BY) == MANAGER and labels_.get(LABEL_OWNER) == owner.name:
+    if labels_.get(LABEL_MANAGED_BY) == MANAGER and labels_.get(owner_label) == owner.name:
         return None
     by = labels_.get(LABEL_MANAGED_BY)
     return f"managed by {by}" if by else "not created by the operator"
