@@ -71,7 +71,7 @@ def test_two_models_behind_one_endpoint_one_scaled_from_zero_while_the_other_ser
             "spec": {"router": {"replicas": 1}},
         },
     )
-    alpha = example("alpha", ns, router={"endpoint": shared})
+    alpha = example("alpha", ns, router={"endpoint": shared}, replicas=1)
     beta = example("beta", ns, router={"endpoint": shared})
     del beta["spec"]["replicas"]
     beta["spec"]["autoscaling"] = {

@@ -413,3 +413,91 @@ def test_scrape_failures_are_counted_per_resource_and_a_change_is_written(tick, 
         for s in metrics.SCRAPE_FAILURES.collect()[0].samples
     }
     assert ("ns", "tiny") not in series
+
+
+def test_a_member_of_an_endpoint_reads_the_shared_routers_demand_for_its_own_models_only(tick, monkeypatch):
+    """A member of an InferenceEndpoint: its routers are the endpoint's (owned through the
+    Deployment named as the endpoint), a look-alike router pod a tenant made is not read, and of
+    the shared router's samples only its own models' count (another model's queue is not its
+    demand)."""
+    from kvscale.operator.api.labels import LABEL_ENDPOINT, ROUTER
+
+    def router_pod(name: str, rs: str, ip: str):
+        p = pod(name, refs=[ctrl_ref(rs)], ip=ip)
+        p.metadata.labels = {LABEL_NAME: ROUTER, LABEL_ENDPOINT: "shared"}
+        return p
+
+    def ctrl_ref(rs: str):
+        return client.V1OwnerReference(
+            api_version="apps/v1", kind="ReplicaSet", name=rs, uid=f"rs-{rs}", controller=True
+        )
+
+    monkeypatch.setitem(
+        OWNERS,
+        ("ReplicaSet", "ns", "shared-abc"),
+        {
+            "uid": "rs-shared-abc",
+            "ownerReferences": [ctrl("Deployment", "shared", "dep-shared")],
+        },
+    )
+    monkeypatch.setitem(
+        OWNERS,
+        ("Deployment", "ns", "shared"),
+        {
+            "uid": "dep-shared",
+            "ownerReferences": [ctrl("InferenceEndpoint", "shared", "uid-endpoint")],
+        },
+    )
+    # A tenant's Deployment, pointed at the endpoint but not named as it.
+    monkeypatch.setitem(
+        OWNERS,
+        ("ReplicaSet", "ns", "fake-abc"),
+        {
+            "uid": "rs-fake-abc",
+            "ownerReferences": [ctrl("Deployment", "fake", "dep-fake")],
+        },
+    )
+    monkeypatch.setitem(
+        OWNERS,
+        ("Deployment", "ns", "fake"),
+        {
+            "uid": "dep-fake",
+            "ownerReferences": [ctrl("InferenceEndpoint", "shared", "uid-endpoint")],
+        },
+    )
+    real, fake = (
+        router_pod("shared-abc-1", "shared-abc", "10.9.0.1"),
+        router_pod("fake-abc-1", "fake-abc", "10.9.0.2"),
+    )
+    tick.cache.replace([*tick.cache.of("ns", "tiny"), real, fake])
+    exposition = "\n".join(
+        [
+            "# TYPE kvscale_router_queued_requests gauge",
+            'kvscale_router_queued_requests{model="tiny"} 2.0',
+            'kvscale_router_queued_requests{model="tiny-sql"} 1.0',
+            'kvscale_router_queued_requests{model="other"} 40.0',
+            "# TYPE kvscale_router_requests counter",
+            'kvscale_router_requests_total{model="tiny"} 7.0',
+            'kvscale_router_requests_total{model="other"} 900.0',
+        ]
+    )
+    read: list[str] = []
+
+    async def scrape(session, ip, parse=None):
+        if parse is None:
+            return {"kv_usage": 0.5, "waiting": 0.0, "running": 1.0, "arrivals": 10.0}
+        read.append(ip)
+        return parse(exposition)
+
+    monkeypatch.setattr(scaler, "scrape", scrape)
+    tick.target.spec = {
+        **SPEC,
+        "router": {"endpoint": "shared"},
+        "adapters": [{"name": "tiny-sql", "uri": "/a"}],
+    }
+    pods = tick.cache.of("ns", "tiny")
+    states = {p.metadata.name: "ready" for p in pods}
+    sample = asyncio.run(tick.scaler._sample(None, pods, states, tick.target))
+    assert read == ["10.9.0.1"]  # the endpoint's router only, never the look-alike
+    (router,) = sample.routers
+    assert (router.queued, router.arrivals) == (3.0, 7.0)  # tiny and its adapter; not "other"

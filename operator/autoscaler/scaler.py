@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -276,16 +277,30 @@ class Scaler:
                     compile_s=m.get("compile_s"),
                 )
             )
-        routers = await self._own(self.pods.routers_of(ns, name), target, router_name(name))
+        router = target.spec.get("router") or {}
+        endpoint = router.get("endpoint") if router.get("enabled", True) else None
+        if endpoint is None:
+            routers = await self._own(self.pods.routers_of(ns, name), target, router_name(name))
+            parse = parse_router_metrics
+        else:  # the shared router of an InferenceEndpoint: its samples of this model's names only
+            routers = await self._own(self.pods.endpoint_routers_of(ns, endpoint), target, endpoint, endpoint)
+            parse = functools.partial(parse_router_metrics, models=served_names(name, target.spec))
         return Sample(
-            time.monotonic(), tuple(sorted(loads, key=lambda p: p.name)), await _routers(session, routers)
+            time.monotonic(),
+            tuple(sorted(loads, key=lambda p: p.name)),
+            await _routers(session, routers, parse),
         )
 
-    async def _own(self, pods: list[client.V1Pod], target: Target, workload: str) -> list[client.V1Pod]:
-        """The pods the operator's workload `workload` created (pods.Ownership; reads off the loop)."""
+    async def _own(
+        self, pods: list[client.V1Pod], target: Target, workload: str, endpoint: str | None = None
+    ) -> list[client.V1Pod]:
+        """The pods the operator's workload `workload` created (pods.Ownership; reads off the
+        loop): the target's, or with `endpoint` the InferenceEndpoint of that name's."""
         if not pods:
             return pods
-        owned = await asyncio.to_thread(lambda: [self.owners.owned(p, target.uid, workload) for p in pods])
+        owned = await asyncio.to_thread(
+            lambda: [self.owners.owned(p, target.uid, workload, endpoint=endpoint) for p in pods]
+        )
         for p, ours in zip(pods, owned, strict=True):
             if not ours and p.metadata.uid not in target.ignored:
                 if len(target.ignored) > 1024:  # bounded: a tenant churning look-alike pods
@@ -459,10 +474,19 @@ class Scaler:
             self.targets.clear()
 
 
-async def _routers(session: aiohttp.ClientSession, pods: list[client.V1Pod]) -> tuple[RouterLoad, ...]:
+def served_names(name: str, spec: dict[str, Any]) -> frozenset[str]:
+    """The `model` names a resource serves: its served name and its adapters' (the router's
+    `model` label values of its requests)."""
+    served = (spec.get("model") or {}).get("servedName") or name
+    return frozenset([served, *(a.get("name") for a in spec.get("adapters") or [] if a.get("name"))])
+
+
+async def _routers(
+    session: aiohttp.ClientSession, pods: list[client.V1Pod], parse=parse_router_metrics
+) -> tuple[RouterLoad, ...]:
     """The ready router pods' counts (one RouterLoad per pod, values None when unread)."""
     ready = [p for p in pods if pod_state(p) == "ready"]
-    scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip, parse_router_metrics) for p in ready))
+    scraped = await asyncio.gather(*(scrape(session, p.status.pod_ip, parse) for p in ready))
     return tuple(
         RouterLoad(p.metadata.name, **(m or {}))
         for p, m in sorted(zip(ready, scraped, strict=True), key=lambda pm: pm[0].metadata.name)

@@ -69,14 +69,16 @@ ROUTER_METRICS = {
 }
 
 
-def parse_router_metrics(text: str) -> dict[str, float]:
+def parse_router_metrics(text: str, models: frozenset[str] | None = None) -> dict[str, float]:
     """The router's queue, in-flight and arrivals counts from its exposition (summed over
-    models); a family it does not export yet (no request so far) reads as 0."""
+    models, or over `models` only: a shared InferenceEndpoint's router, whose other models'
+    demand is not this resource's); a family it does not export yet (no request so far) reads
+    as 0."""
     wanted = {v: k for k, v in ROUTER_METRICS.items()}
     out = dict.fromkeys(ROUTER_METRICS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in wanted:
+            if sample.name in wanted and (models is None or sample.labels.get("model") in models):
                 out[wanted[sample.name]] += sample.value
     return out
 

@@ -36,8 +36,16 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
 from kvscale.operator import metrics
+from kvscale.operator.api.endpoint import ENDPOINT_KIND
 from kvscale.operator.api.groupversion import KIND
-from kvscale.operator.api.labels import LABEL_INSTANCE, LABEL_NAME, LABEL_OWNER, ROUTER, WORKER
+from kvscale.operator.api.labels import (
+    LABEL_ENDPOINT,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    LABEL_OWNER,
+    ROUTER,
+    WORKER,
+)
 from kvscale.operator.kube.errors import error_kind
 
 logger = logging.getLogger(__name__)
@@ -93,6 +101,18 @@ class PodCache:
                 p
                 for p in self._pods.values()
                 if p.metadata.namespace == namespace and (p.metadata.labels or {}).get(LABEL_OWNER) == owner
+            ]
+        return sorted(pods, key=lambda p: p.metadata.name)
+
+    def endpoint_routers_of(self, namespace: str, endpoint: str) -> list[client.V1Pod]:
+        """The router pods of one InferenceEndpoint (children.endpoint_selector_labels)."""
+        with self._lock:
+            pods = [
+                p
+                for p in self._pods.values()
+                if p.metadata.namespace == namespace
+                and (p.metadata.labels or {}).get(LABEL_NAME) == ROUTER
+                and (p.metadata.labels or {}).get(LABEL_ENDPOINT) == endpoint
             ]
         return sorted(pods, key=lambda p: p.metadata.name)
 
@@ -268,10 +288,14 @@ class Ownership:
             self._links[ref.uid] = (now, link)
         return link
 
-    def owned(self, pod: client.V1Pod, root_uid: str, workload: str) -> bool:
+    def owned(
+        self, pod: client.V1Pod, root_uid: str | None, workload: str, *, endpoint: str | None = None
+    ) -> bool:
         """Whether `pod`'s controller chain ends at the InferenceDeployment `root_uid` through its
         workload named `workload` (one name per kind and namespace: a Deployment a tenant made
-        and pointed at the InferenceDeployment is not the operator's)."""
+        and pointed at the InferenceDeployment is not the operator's). With `endpoint`: at the
+        InferenceEndpoint of that name instead (a member's autoscaler does not know its uid; the
+        Deployment of that name, read by its uid, is the one that names it)."""
         first = controller_of(pod.metadata)
         namespace = pod.metadata.namespace
         for kinds in CHAINS:
@@ -281,7 +305,11 @@ class Ownership:
             if owner is None or owner.kind != kinds[1] or owner.name != workload:
                 return False
             root = self._controller(owner, namespace)
-            return root is not None and root.kind == ROOT_KIND and root.uid == root_uid
+            if root is None:
+                return False
+            if endpoint is not None:
+                return root.kind == ENDPOINT_KIND and root.name == endpoint
+            return root.kind == ROOT_KIND and root.uid == root_uid
         return False
 
 
