@@ -70,7 +70,8 @@ class EndpointSubscriber:
     ) -> None:
         self.endpoint, self.index, self.source = endpoint, index, source
         self.context = context
-        # (endpoint, what): "batch", "gap", "resync", "synced", "restart", "bad" or "timeout".
+        # (endpoint, what): "batch", "gap", "resync", "synced", "restart", "bad", "timeout" or
+        # "disconnect".
         self.on_event = on_event
         self.pub, self.replay = source.addresses(endpoint)
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
@@ -83,6 +84,12 @@ class EndpointSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.MAXMSGSIZE, self.source.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # A message over MAXMSGSIZE makes ZMQ drop the connection (and reconnect) without a word
+        # to the socket's reader: the monitor says so, and what the worker sent since is unknown.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         loop = asyncio.get_running_loop()
         try:
             sub.connect(self.pub)
@@ -91,10 +98,24 @@ class EndpointSubscriber:
                 # over, whether or not the worker publishes meanwhile (an idle one does not).
                 if not self.index.state(self.endpoint).synced and loop.time() >= self._next_resync:
                     await self._resync(0)
-                if await sub.poll(self.source.retry_s * 1000):
+                ready = dict(await poller.poll(self.source.retry_s * 1000))
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    self._on_disconnect()
+                if sub in ready:
                     await self._on_stream(await sub.recv_multipart())
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    def _on_disconnect(self) -> None:
+        """The stream's connection dropped (an oversize message, or the worker went): batches may
+        be lost with no later one to show the gap, so the set is not believed until a resync."""
+        self.on_event(self.endpoint, "disconnect")
+        if self.index.synced(self.endpoint):
+            self.index.desync(self.endpoint)
+            self._next_resync = 0.0  # at once: the worker may well be fine
 
     async def _on_stream(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:

@@ -166,7 +166,8 @@ class RouterMetrics:
             "kvscale_router_kv_events",
             "What the workers' KV event streams did, by kind: batch (applied), gap, resync, "
             "synced, restart (a worker's numbers started again), bad (undecodable), timeout (a "
-            "replay that did not answer).",
+            "replay that did not answer), disconnect (the stream's connection dropped: an "
+            "oversize message, or the worker went).",
             ["kind"],
             registry=r,
         )

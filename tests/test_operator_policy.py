@@ -541,6 +541,16 @@ def test_the_precise_index_wires_the_workers_events_to_the_routers_and_approxima
     assert ports(worker["spec"]["ingress"][0]) == [8000]
     # No router: nobody subscribes, so the workers publish nothing.
     assert "--kv-events-config" not in worker_args("tiny", spec(router={"enabled": False}), "/m", None)
+    # A multi-node group: only the leader's engine has a block pool; its other ranks publish nothing.
+    from kvscale.operator.reconcile.children import leader_worker_set
+
+    group = leader_worker_set(OWNER, spec(parallelism={"tensor": 2, "nodes": 2}), "img")
+    templates = group["spec"]["leaderWorkerTemplate"]
+    (leader,) = templates["leaderTemplate"]["spec"]["containers"]
+    (follower,) = templates["workerTemplate"]["spec"]["containers"]
+    assert "--kv-events-config" in leader["args"] and "--kv-events-config" not in follower["args"]
+    assert "kv-events" in {p["name"] for p in leader["ports"]}
+    assert "kv-events" not in {p["name"] for p in follower["ports"]}
 
 
 def test_a_precise_router_has_a_writable_tmp_for_the_tokenizer_it_fetches():

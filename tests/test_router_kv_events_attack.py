@@ -120,6 +120,17 @@ async def _hostile() -> None:
     worker.answer = [(10, batch(AllBlocksCleared(), stored(4, first=3000)))]
     await until(lambda: index.synced(WORKER) and index.size(WORKER) == 4, timeout=15)
 
+    # A stream message over the cap: ZMQ drops the SUB connection without a word to its reader,
+    # and an idle worker sends nothing after it that would show the gap. The socket monitor
+    # unsyncs the endpoint at once, and it is resynced.
+    resyncs = seen.count("resync")
+    worker.answer = [(11, batch(AllBlocksCleared(), stored(2, first=4000)))]
+    await worker.send(b"", (11).to_bytes(8, "big"), batch(stored(3, first=5000)) + b"\0" * 8192)
+    await until(lambda: "disconnect" in seen)
+    await until(lambda: seen.count("resync") > resyncs)
+    await until(lambda: index.synced(WORKER) and index.size(WORKER) == 2)
+    assert not task.done()
+
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     worker.close()

@@ -67,11 +67,9 @@ print(f"{worst} {n}", flush=True)
 """
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_probes_answer_within_100ms_while_a_15mb_prompt_is_refused(server, client, model, endpoint):
-    """The probes run in their own process (this one is busy serialising 15 MB), probing while the
-    prompt is sent and refused; the worst latency they saw bounds the event loop's stall."""
-    huge = "x " * (15 * 2**20 // 2)
+def probe_while_refused(server, client, model, endpoint: str, huge: str) -> tuple[float, int, float]:
+    """(the worst probe latency, probes sent, seconds to the refusal) while `huge` is sent and
+    refused."""
     probe = subprocess.Popen(
         [sys.executable, "-c", PROBE_SCRIPT, str(server.port), "4"], stdout=subprocess.PIPE, text=True
     )
@@ -94,7 +92,25 @@ def test_probes_answer_within_100ms_while_a_15mb_prompt_is_refused(server, clien
     error = error_of(exc, exc.value.status_code)
     assert error["code"] in ("context_length_exceeded", "request_too_large"), error
     worst, n = out.split()
-    assert int(n) > 20 and float(worst) < 0.1, (f"worst probe latency {float(worst):.3f}s", refused_in)
+    return float(worst), int(n), refused_in
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_probes_answer_within_100ms_while_a_15mb_prompt_is_refused(server, client, model, endpoint):
+    """The probes run in their own process (this one is busy serialising 15 MB), probing while the
+    prompt is sent and refused; the worst latency they saw bounds the event loop's stall. A stall
+    (the body parsed on the loop) happens on every try; a scheduling hiccup of this 2-core VM under
+    a full test run (once: 228 ms) does not: the budget must hold in one of two tries."""
+    huge = "x " * (15 * 2**20 // 2)
+    tries = []
+    for _ in range(2):
+        worst, n, refused_in = probe_while_refused(server, client, model, endpoint, huge)
+        assert n > 20, n
+        tries.append((round(worst, 3), round(refused_in, 2)))
+        if worst < 0.1:
+            break
+    else:
+        pytest.fail(f"worst probe latency over 100 ms in both tries (worst s, refused in s): {tries}")
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 

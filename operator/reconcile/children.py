@@ -290,7 +290,11 @@ def worker_args(
     model_path: str,
     draft_path: str | None,
     adapters: dict[str, str] | None = None,
+    *,
+    leader: bool = True,
 ) -> list[str]:
+    """The worker's command line; `leader`: a pod that serves the API (a multi-node group's
+    other ranks publish no KV events: only the leader's engine has a block pool)."""
     e = spec.engine
     args = [
         "serve",
@@ -309,7 +313,7 @@ def worker_args(
     if e.kv_cache_memory_fraction is not None:
         args += ["--kv-cache-memory-fraction", str(e.kv_cache_memory_fraction)]
     args += parallel_args(spec)
-    if precise_index(spec):
+    if precise_index(spec) and leader:
         args += ["--kv-events-config", KV_EVENTS_CONFIG]
     if spec.speculative is not None:
         s = spec.speculative
@@ -536,7 +540,7 @@ def pod_template(
         }
         mounts["dshm"] = {"name": "dshm", "mountPath": "/dev/shm"}
     ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
-    if precise_index(spec):
+    if precise_index(spec) and leader:
         ports.append({"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"})
         ports.append({"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"})
     if spec.nodes > 1:
@@ -546,7 +550,7 @@ def pod_template(
         "name": "worker",
         "image": image,
         "command": ["kvscale-worker"],
-        "args": worker_args(owner.name, spec, model_path, draft_path, adapters),
+        "args": worker_args(owner.name, spec, model_path, draft_path, adapters, leader=leader),
         "ports": ports,
         "env": _env(spec),
         "resources": resources,
