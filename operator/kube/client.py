@@ -208,9 +208,13 @@ class Kube:
 
     # -- the InferenceDeployments -----------------------------------------------------------
     def get_resource(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_ours(PLURAL, namespace, name)
+
+    def _get_ours(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One of our resources (kvscale.dev), None when it is gone."""
         try:
             return client.CustomObjectsApi(self.api).get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=API_TIMEOUT_S
+                GROUP, VERSION, namespace, plural, name, _request_timeout=API_TIMEOUT_S
             )
         except ApiException as e:
             if e.status == 404:
@@ -240,14 +244,7 @@ class Kube:
 
     # -- the InferenceEndpoints -------------------------------------------------------------
     def get_endpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return client.CustomObjectsApi(self.api).get_namespaced_custom_object(
-                GROUP, VERSION, namespace, ENDPOINT_PLURAL, name, _request_timeout=API_TIMEOUT_S
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+        return self._get_ours(ENDPOINT_PLURAL, namespace, name)
 
     def apply_endpoint_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Server-side apply of the endpoint's status (the operator is its only writer)."""

@@ -106,25 +106,20 @@ class PodCache:
 
     def endpoint_routers_of(self, namespace: str, endpoint: str) -> list[client.V1Pod]:
         """The router pods of one InferenceEndpoint (children.endpoint_selector_labels)."""
-        with self._lock:
-            pods = [
-                p
-                for p in self._pods.values()
-                if p.metadata.namespace == namespace
-                and (p.metadata.labels or {}).get(LABEL_NAME) == ROUTER
-                and (p.metadata.labels or {}).get(LABEL_ENDPOINT) == endpoint
-            ]
-        return sorted(pods, key=lambda p: p.metadata.name)
+        return self._routers(namespace, LABEL_ENDPOINT, endpoint)
 
     def routers_of(self, namespace: str, owner: str) -> list[client.V1Pod]:
         """The router pods of one InferenceDeployment (children.router_selector_labels)."""
+        return self._routers(namespace, LABEL_INSTANCE, owner)
+
+    def _routers(self, namespace: str, label: str, value: str) -> list[client.V1Pod]:
         with self._lock:
             pods = [
                 p
                 for p in self._pods.values()
                 if p.metadata.namespace == namespace
                 and (p.metadata.labels or {}).get(LABEL_NAME) == ROUTER
-                and (p.metadata.labels or {}).get(LABEL_INSTANCE) == owner
+                and (p.metadata.labels or {}).get(label) == value
             ]
         return sorted(pods, key=lambda p: p.metadata.name)
 

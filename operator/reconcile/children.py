@@ -147,10 +147,11 @@ def labels(name: str) -> dict[str, str]:
     return {**selector_labels(name), LABEL_INSTANCE: name, LABEL_MANAGED_BY: MANAGER}
 
 
-def owner_reference(owner: Owner) -> dict[str, Any]:
+def owner_reference(owner: Owner, kind: str = KIND) -> dict[str, Any]:
+    """The controller reference to `owner`, an InferenceDeployment (or an InferenceEndpoint)."""
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
+        "kind": kind,
         "name": owner.name,
         "uid": owner.uid,
         "controller": True,

@@ -18,7 +18,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvscale.operator.api.endpoint import ENDPOINT_KIND, InferenceEndpointSpec
-from kvscale.operator.api.groupversion import GROUP, VERSION
 from kvscale.operator.api.labels import LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER
 from kvscale.operator.api.spec import InferenceDeploymentSpec
 from kvscale.operator.reconcile.admin_policy import NetworkPolicySettings, PodSecurity
@@ -30,6 +29,7 @@ from kvscale.operator.reconcile.children import (
     endpoint_selector_labels,
     http_from,
     operator_peer,
+    owner_reference,
     router_pods_deployment,
     scales_from_zero,
 )
@@ -120,17 +120,6 @@ def endpoint_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc:{PORT}"
 
 
-def owner_reference(owner: Owner) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": ENDPOINT_KIND,
-        "name": owner.name,
-        "uid": owner.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
 def _metadata(owner: Owner) -> dict[str, Any]:
     return {
         "name": owner.name,
@@ -140,7 +129,7 @@ def _metadata(owner: Owner) -> dict[str, Any]:
             LABEL_MANAGED_BY: MANAGER,
             LABEL_COMPONENT: "router",
         },
-        "ownerReferences": [owner_reference(owner)],
+        "ownerReferences": [owner_reference(owner, ENDPOINT_KIND)],
     }
 
 

@@ -14,6 +14,7 @@ from kvscale.worker.bench import (
     load,
     longout,
     lora,
+    membw,
     peer,
     route,
     serve,
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_parser(sub, [common])
     coldstart.add_parser(sub, [common])
     lora.add_parser(sub, [common])
+    membw.add_parser(sub, [common])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     result = args.func(args)
