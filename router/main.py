@@ -298,7 +298,7 @@ def _apps_api():
     return client.AppsV1Api()
 
 
-async def serve(args: argparse.Namespace, specs: list[PoolSpec]) -> int:
+async def serve(args: argparse.Namespace, specs: list[PoolSpec] | None = None) -> int:
     router = build_router(args, specs)
     app = build_app(router)
     # handler_cancellation: a client that disconnects cancels its handler, which leaves the queue
