@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from kvscale.worker.bench.steps import CASES, case_chunks, time_step
+from kvscale.worker.bench.steps import CASES, case_chunks, step_path, time_step
 
 
 def add_parser(sub, parents) -> None:
@@ -97,8 +97,13 @@ def run(args) -> dict[str, Any]:
         if "bytes_per_token" not in result:
             result["bytes_per_token"] = decode_bytes_per_token(runner.model)
             result["limit_ms"] = round(1e3 * result["bytes_per_token"] / (bw["read_gb_s"] * 1e9), 3)
-        ms = time_step(runner, case_chunks(chunks_case, runner.block_size), args.iters)
-        result["modes"][mode] = {"step_ms": round(ms, 3), "over_limit": round(ms / result["limit_ms"], 2)}
+        chunks = case_chunks(chunks_case, runner.block_size)
+        ms = time_step(runner, chunks, args.iters)
+        result["modes"][mode] = {
+            "step_ms": round(ms, 3),
+            "over_limit": round(ms / result["limit_ms"], 2),
+            "path": step_path(runner, chunks),
+        }
         del llm, runner
         gc.collect()
     return result
