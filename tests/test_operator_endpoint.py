@@ -331,3 +331,16 @@ def test_left_out_members_are_reported(tmp_path):
     condition = api.endpoint["status"]["conditions"][0]
     assert condition["reason"] == "MembersLeftOut" and "b: model 'llm'" in condition["message"]
     assert [m["inferenceDeployment"] for m in api.endpoint["status"]["models"]] == ["a"]
+
+
+def test_a_member_naming_a_missing_endpoint_is_told_once(tmp_path):
+    api = FakeAPI([resource("a", router={"endpoint": "shraed"})])
+    r = reconciler(api, tmp_path)
+    typo = resource("a", router={"endpoint": "shraed"})
+    r.member_changed(typo, None)
+    assert api.events == ["EndpointNotFound"] and api.writes == []
+    r.member_changed(typo, "MODIFIED")  # its next event: the same part, nothing said again
+    assert api.events == ["EndpointNotFound"]
+    api.resources = [resource("a")]
+    r.member_changed(resource("a"), "MODIFIED")  # fixed: the endpoint gets its pool, no event
+    assert api.events == ["EndpointNotFound"] and ("Deployment", "shared") in api.writes

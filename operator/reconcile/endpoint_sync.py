@@ -70,15 +70,25 @@ class EndpointReconciler:
         else:
             self._parts[key] = part
         for endpoint in {before[0], part[0]} - {None}:
-            self.sync(meta["namespace"], endpoint)
+            found = self.sync(meta["namespace"], endpoint)
+            if not found and endpoint == part[0]:
+                # A typo in router.endpoint would leave the model with no router and no word:
+                # said once, on the resource, each time it comes to name a missing endpoint.
+                message = (
+                    f"router.endpoint names the InferenceEndpoint {endpoint!r}, which does not exist "
+                    f"in {meta['namespace']}: no router serves this model until it is created"
+                )
+                self.kube.post_event(body, "EndpointNotFound", message, warning=True)
 
-    def sync(self, namespace: str, name: str) -> None:
-        """Make the endpoint true. Raises on an API error (the handler retries with a backoff)."""
+    def sync(self, namespace: str, name: str) -> bool:
+        """Make the endpoint true; False when there is no such endpoint. Raises on an API error
+        (the handler retries with a backoff)."""
         with self._lock(namespace, name):
             cr = self.kube.get_endpoint(namespace, name)
             if cr is None or cr["metadata"].get("deletionTimestamp"):
-                return  # the garbage collector takes its children
+                return False  # the garbage collector takes its children
             self._sync(cr)
+            return True
 
     def _sync(self, cr: dict[str, Any]) -> None:
         meta = cr["metadata"]
