@@ -95,22 +95,31 @@ def probe_while_refused(server, client, model, endpoint: str, huge: str) -> tupl
     return float(worst), int(n), refused_in
 
 
+# What a stall of the loop by this request would cost: tokenizing the 15 MB prompt there takes
+# 13.6 s on this VM (parsing its JSON 27 ms, under any budget a loaded machine can hold). 300 ms is
+# 45x under the first and over the scheduling hiccups of this 2-core VM under the full test run
+# (117-228 ms seen); the quiet-machine figure (/health p100 under 100 ms) is the hostile
+# benchmark's (docs/server.md), not a timed test's.
+PROBE_BUDGET_S = 0.3
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_probes_answer_within_100ms_while_a_15mb_prompt_is_refused(server, client, model, endpoint):
+def test_probes_answer_within_300ms_while_a_15mb_prompt_is_refused(server, client, model, endpoint):
     """The probes run in their own process (this one is busy serialising 15 MB), probing while the
     prompt is sent and refused; the worst latency they saw bounds the event loop's stall. A stall
-    (the body parsed on the loop) happens on every try; a scheduling hiccup of this 2-core VM under
-    a full test run (once: 228 ms) does not: the budget must hold in one of two tries."""
+    happens on every try, a scheduling hiccup not: the budget must hold in one of two tries."""
     huge = "x " * (15 * 2**20 // 2)
     tries = []
     for _ in range(2):
         worst, n, refused_in = probe_while_refused(server, client, model, endpoint, huge)
         assert n > 20, n
         tries.append((round(worst, 3), round(refused_in, 2)))
-        if worst < 0.1:
+        if worst < PROBE_BUDGET_S:
             break
     else:
-        pytest.fail(f"worst probe latency over 100 ms in both tries (worst s, refused in s): {tries}")
+        pytest.fail(
+            f"worst probe latency over {PROBE_BUDGET_S} s in both tries (worst s, refused in s): {tries}"
+        )
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
