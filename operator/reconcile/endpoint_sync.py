@@ -7,7 +7,8 @@ field manager; never over an object someone else owns) and writes the status (th
 behind it, Ready). It runs on the endpoint's own create, update and resume (handlers.py), and
 whenever a member's part in it changes: an InferenceDeployment that joins, leaves, changes its
 served name, adapters or scale-from-zero, or goes (`member_changed`, from every InferenceDeployment
-event, which costs a dict lookup unless that part changed). The children are not watched: a child
+event: a resource that names no endpoint costs a dict read; a member's event, one validation of its
+spec and a comparison, and no API call unless that part changed). The children are not watched: a child
 deleted by hand comes back at the next of those.
 """
 
