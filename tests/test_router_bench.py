@@ -3,7 +3,9 @@ percentiles, balance and the goals; the benchmark itself runs real workers (docs
 
 from __future__ import annotations
 
-from kvscale.worker.bench.route import ClientRun, TurnResult, compare, summarize
+import json
+
+from kvscale.worker.bench.route import ClientRun, TurnResult, compare, summarize, ttft_tail, write_trace
 
 
 def _counters(q, h, n, p):
@@ -94,3 +96,34 @@ def test_compare_precise_takes_the_median_pair_for_latency_and_throughput():
     assert not any(
         g["met"] for g in compare_precise(pairs[0][1], approx, pairs[0][0], pairs)["goals"].values()
     )
+
+
+def test_ttft_tail_names_what_was_ahead_at_the_same_worker(tmp_path):
+    def turn(start, first, end, endpoint, prompt=100, cached=0):
+        return TurnResult(start, first, end, 4, None, endpoint, "r", prompt, cached)
+
+    slow = turn(1.0, 3.0, 4.0, "w1", prompt=400, cached=256)
+    turns = [
+        turn(0.0, 1.5, 2.0, "w1", prompt=300, cached=100),  # prefill still ahead at 1.0
+        turn(0.5, 0.8, 1.2, "w1"),  # first token before 1.0, still streaming
+        turn(0.2, 0.4, 0.6, "w1"),  # done before 1.0
+        turn(0.9, 5.0, 6.0, "w2"),  # another worker: slowest, but not ahead of the slow one
+        slow,
+        turn(2.0, 2.1, 2.5, "w1"),  # sent after it
+    ]
+    tail = ttft_tail(turns, n=2)
+    assert [t["endpoint"] for t in tail] == ["w2", "w1"]
+    assert tail[1] == {
+        "ttft_ms": 2000.0,
+        "endpoint": "w1",
+        "prompt_tokens": 400,
+        "cached_tokens": 256,
+        "ahead": 1,
+        "ahead_tokens": 200,
+        "busy": 2,
+    }
+    path = write_trace(ClientRun(turns, 6.0), tmp_path, "precise")
+    assert path.name == "trace-precise-0.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[4]["first"] == 3.0 and rows[4]["cached_tokens"] == 256
+    assert write_trace(ClientRun(turns, 6.0), tmp_path, "precise").name == "trace-precise-1.jsonl"

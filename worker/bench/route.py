@@ -194,6 +194,9 @@ class TurnResult:
     completion_tokens: int = 0
     error: str | None = None
     endpoint: str | None = None  # the worker that answered (X-Kvscale-Endpoint, with --expose-picks)
+    router: str = ""  # the replica it went through
+    prompt_tokens: int = 0  # from the answer's usage
+    cached_tokens: int = 0  # of them, found in that worker's prefix cache
 
 
 @dataclass
@@ -217,7 +220,7 @@ async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tup
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result.start = time.perf_counter()
+    result.start, result.router = time.perf_counter(), url
     try:
         async with session.post(url + "/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
@@ -238,8 +241,10 @@ async def _turn(session, url: str, messages: list[dict], max_tokens: int) -> tup
                     if result.first is None:
                         result.first = time.perf_counter()
                     text.append(piece)
-                if chunk.get("usage"):
-                    result.completion_tokens = chunk["usage"]["completion_tokens"]
+                if usage := chunk.get("usage"):
+                    result.completion_tokens = usage["completion_tokens"]
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except (aiohttp.ClientError, TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result, ""
@@ -328,7 +333,7 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         for w in workers:
             asyncio.run(_warm_up(w.base_url))
         policy = "round-robin" if mode == "round-robin" else "kv-prefix"
-        extra = ["--expose-picks"] if policy == "kv-prefix" else []
+        extra = ["--expose-picks"]  # round-robin's too: the trace names every turn's worker
         if precise:
             extra += [
                 "--kv-events-port", str(EVENTS_PORT), "--kv-events-replay-port", str(REPLAY_PORT),
@@ -363,6 +368,7 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         after = [scrape(w.base_url) for w in workers]
     finally:
         stop_all([*workers, *routers])
+    write_trace(run, log_dir, mode)
     out = summarize(run, before, after, router_cpu)
     out["routers"] = len(routers)
     if run.agreement:
@@ -395,6 +401,43 @@ def _wait_synced(url: str, workers: int, timeout: float = 60.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"router {url} did not sync with {workers} workers' KV events in {timeout:.0f}s")
+
+
+def write_trace(run: ClientRun, log_dir: Path, mode: str) -> Path:
+    """Every turn of a pass as a JSON line (times in s from the pass's first request), the file
+    named for the mode and the passes of it already written."""
+    n = len(list(log_dir.glob(f"trace-{mode}-*.jsonl")))
+    path = log_dir / f"trace-{mode}-{n}.jsonl"
+    t0 = min((t.start for t in run.turns), default=0.0)
+    with path.open("w") as f:
+        for t in run.turns:
+            row = {k: v for k, v in vars(t).items() if k not in ("start", "first", "end")}
+            row |= {"start": t.start - t0, "first": None if t.first is None else t.first - t0}
+            f.write(json.dumps(row | {"end": t.end - t0}) + "\n")
+    return path
+
+
+def ttft_tail(turns: list[TurnResult], n: int = 3) -> list[dict[str, Any]]:
+    """The n slowest first tokens and what was ahead of each at its worker when it was sent: the
+    turns there still without a first token (prefills queued or running: `ahead`, their uncached
+    prompt tokens `ahead_tokens`) and those still streaming (`busy`)."""
+    ok = [t for t in turns if t.error is None and t.first is not None]
+    out = []
+    for t in sorted(ok, key=lambda t: t.first - t.start, reverse=True)[:n]:
+        there = [o for o in ok if o is not t and o.endpoint == t.endpoint and o.start <= t.start]
+        ahead = [o for o in there if o.first > t.start]
+        out.append(
+            {
+                "ttft_ms": round(1000 * (t.first - t.start), 1),
+                "endpoint": t.endpoint,
+                "prompt_tokens": t.prompt_tokens,
+                "cached_tokens": t.cached_tokens,
+                "ahead": len(ahead),
+                "ahead_tokens": sum(o.prompt_tokens - o.cached_tokens for o in ahead),
+                "busy": sum(1 for o in there if o.end > t.start),
+            }
+        )
+    return out
 
 
 def summarize(
@@ -432,6 +475,7 @@ def summarize(
         "output_tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
         "ttft_ms": _ms_percentiles([t.first - t.start for t in ok if t.first is not None]),
         "e2e_ms": _ms_percentiles([t.end - t.start for t in ok]),
+        "ttft_tail": ttft_tail(ok),
         "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
         "per_worker": per_worker,
         "load_balance_max_over_mean": round(max(requests) / mean, 3) if mean else None,
@@ -607,6 +651,7 @@ def _pair_view(summary: dict[str, Any]) -> dict[str, Any]:
     keys = (
         "prefix_cache_hit_rate",
         "ttft_ms",
+        "ttft_tail",
         "output_tokens_per_s",
         "errors",
         "replica_agreement_on_cached",
