@@ -48,16 +48,22 @@ class TokenPrompt:
 
     token_ids: Sequence[int]
     cache_salt: str | None = None
-    # Computed once per (block size, max blocks): a pick scores, then records, the same hashes.
-    _hashes: dict[tuple[int, int], list[bytes]] = field(default_factory=dict, compare=False, repr=False)
+    # Computed once per (block size, max blocks, adapter digest): a pick scores, then records, the
+    # same hashes.
+    _hashes: dict[tuple[int, int, str | None], list[bytes]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
-    def block_hashes(self, block_size: int, max_blocks: int) -> list[bytes]:
-        """The worker's hashes of the prompt's full leading blocks (at most max_blocks): the worker
-        matches at most (len - 1) // block_size of them, one token is always computed."""
-        key = (block_size, max_blocks)
+    def block_hashes(
+        self, block_size: int, max_blocks: int, adapter_digest: str | None = None
+    ) -> list[bytes]:
+        """The worker's hashes of the prompt's full leading blocks (at most max_blocks), for the base
+        model or the LoRA adapter of that content digest: the worker matches at most
+        (len - 1) // block_size of them, one token is always computed."""
+        key = (block_size, max_blocks, adapter_digest)
         if key not in self._hashes:
             n = min((len(self.token_ids) - 1) // block_size if self.token_ids else 0, max_blocks)
-            parent, out = root_hash(self.cache_salt), []
+            parent, out = root_hash(self.cache_salt, adapter_digest), []
             for i in range(n):
                 parent = hash_block_tokens(parent, self.token_ids[i * block_size : (i + 1) * block_size])
                 out.append(parent)

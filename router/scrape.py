@@ -5,8 +5,10 @@ dropped line by line first, so a scrape costs the event loop a few hundred lines
 Sums over label sets (a worker serves one model, so there is one of each); the base model's
 served name is their model_name label. LoRA: the adapters in device slots
 (`kvscale_lora_adapter_resident`), those it serves at all (`kvscale_lora_adapter_served`; a worker
-without it, as vLLM, is taken to serve every adapter) and the slots (`vllm:lora_requests_info`:
-max_lora, and the adapters with running or waiting requests, which hold theirs). A body past
+without it, as vLLM, is taken to serve every adapter) with each one's content digest (its label
+`digest`: the root of that adapter's block hashes in the precise index), and the slots
+(`vllm:lora_requests_info`: max_lora, and the adapters with running or waiting requests, which hold
+theirs). A body past
 `max_bytes` (1 MiB; a worker's is ~20 KiB) is never read whole: the endpoint counts as a failed
 scrape (capped_body.py says why every scrape of a pod is capped).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -36,10 +39,11 @@ FAMILIES = {
     "kvscale_kv_cache_blocks": "kv_blocks",
 }
 RESIDENT = "kvscale_lora_adapter_resident"  # ours: one series per adapter in a device slot
-SERVED = "kvscale_lora_adapter_served"  # ours: one series per adapter the worker serves by name
+SERVED = "kvscale_lora_adapter_served"  # ours: a series per adapter served by name, with its digest
 LORA_INFO = "vllm:lora_requests_info"  # vLLM's: one series (the latest by value) with lists in labels
 _PREFIXES = (*FAMILIES, RESIDENT, SERVED, LORA_INFO)
 MAX_BYTES = 1 << 20
+DIGEST = re.compile(r"[0-9a-f]{64}")  # an adapter's content digest: SHA-256, hex (worker/lora/adapter.py)
 
 
 def _wanted(line: str) -> bool:
@@ -69,6 +73,7 @@ def parse_metrics(text: str) -> WorkerMetrics:
     served = ""
     resident: set[str] = set()
     served_adapters: frozenset[str] | None = None  # None: the worker does not say (vLLM)
+    digests: dict[str, str] = {}
     info: dict[str, str] = {}
     info_time = float("-inf")
     for family in text_string_to_metric_families(kept):
@@ -76,9 +81,11 @@ def parse_metrics(text: str) -> WorkerMetrics:
         if family.name == RESIDENT:
             resident.update(s.labels.get("lora_name", "") for s in samples if s.value > 0)
         elif family.name == SERVED:
-            served_adapters = (served_adapters or frozenset()) | {
-                s.labels.get("lora_name", "") for s in samples if s.value > 0
-            }
+            live = [s.labels for s in samples if s.value > 0]
+            served_adapters = (served_adapters or frozenset()) | {x.get("lora_name", "") for x in live}
+            # A digest is a hash input, never a path or a key the worker chooses for us: a
+            # malformed one (not SHA-256 hex) is ignored, and that adapter scored approximately.
+            digests |= {x["lora_name"]: x["digest"] for x in live if DIGEST.fullmatch(x.get("digest", ""))}
         elif family.name == LORA_INFO:
             for sample in samples:  # vLLM may keep old series: the latest (its value is a time) wins
                 if sample.value > info_time:
@@ -104,6 +111,7 @@ def parse_metrics(text: str) -> WorkerMetrics:
         adapters=frozenset(resident | running),
         lora_free_slots=max(0, max_lora - len(busy)),
         served_adapters=served_adapters,
+        adapter_digests=digests,
     )
 
 

@@ -4,8 +4,8 @@ the prefix index. No I/O here; server.py, endpoints.py and scrape.py feed it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
 from kvscale.router.picker import Candidate, PickerConfig, pick, pick_round_robin
@@ -42,6 +42,9 @@ class WorkerMetrics:
     lora_free_slots: int = 0
     # The adapters it serves by name (loaded); None: it does not say (a vLLM worker): any, maybe.
     served_adapters: frozenset[str] | None = None
+    # Each served adapter's content digest, the root of its KV blocks' hashes (ours say it; a
+    # vLLM worker does not, and its adapters' requests are scored by the approximate index).
+    adapter_digests: Mapping[str, str] = field(default_factory=dict)
 
 
 class RouterState:
@@ -117,15 +120,12 @@ class RouterState:
         for name in sorted(self.endpoints):
             m = self.metrics.get(name) or WorkerMetrics()
             has_adapter, adapter_empty, adapter_room = self._lora(name, adapter)
-            match, blocks = self.index.match_length(name, hashes), 0
-            kv = self.kv_index
-            if prompt is not None and adapter is None and kv is not None and kv.synced(name):
-                size = kv.state(name).block_size
-                hashes_there = prompt.block_hashes(size, DEFAULT_MAX_BLOCKS)
-                match, blocks = kv.match_length(name, hashes_there), len(hashes_there)
-                cost = max(0, len(prompt.token_ids) - match * size)
-            else:
-                cost = -1
+            match, blocks, cost = self.index.match_length(name, hashes), 0, -1
+            hashes_there = self._precise_hashes(name, prompt, adapter)
+            if hashes_there is not None:
+                assert self.kv_index is not None and prompt is not None
+                match, blocks = self.kv_index.match_length(name, hashes_there), len(hashes_there)
+                cost = max(0, len(prompt.token_ids) - match * self.kv_index.state(name).block_size)
             out.append(
                 Candidate(
                     name,
@@ -143,6 +143,22 @@ class RouterState:
                 )
             )
         return out
+
+    def _precise_hashes(
+        self, endpoint: str, prompt: TokenPrompt | None, adapter: str | None
+    ) -> list[bytes] | None:
+        """The request's block hashes as that endpoint's precise index keys them, or None where it
+        cannot score it: no token ids, no synced index there, or an adapter whose digest the
+        endpoint has not said (a vLLM worker: the approximate index scores it)."""
+        kv = self.kv_index
+        if prompt is None or kv is None or not kv.synced(endpoint):
+            return None
+        digest = None
+        if adapter is not None:
+            digest = (self.metrics.get(endpoint) or WorkerMetrics()).adapter_digests.get(adapter)
+            if digest is None:
+                return None
+        return prompt.block_hashes(kv.state(endpoint).block_size, DEFAULT_MAX_BLOCKS, digest)
 
     def serving(self, adapter: str | None) -> set[str] | None:
         """The endpoints a request for `adapter` may go to (None: any). A base-model request goes
@@ -188,10 +204,10 @@ class RouterState:
             if prompt is not None and cost > 0:
                 self._prefill[(chosen, id(prompt))] = cost
                 self.pending_prefill[chosen] = self.pending_prefill.get(chosen, 0) + cost
-            kv = self.kv_index
-            if prompt is not None and kv is not None and kv.synced(chosen) and cost >= 0:
-                blocks = prompt.block_hashes(kv.state(chosen).block_size, DEFAULT_MAX_BLOCKS)
-                kv.add_pending(chosen, blocks)
+            blocks = self._precise_hashes(chosen, prompt, self.adapter_of(model)) if cost >= 0 else None
+            if blocks is not None:
+                assert self.kv_index is not None
+                self.kv_index.add_pending(chosen, blocks)
                 self._in_flight_blocks[(chosen, id(prompt))] = blocks
             if self.policy != "round-robin":
                 self.index.record(chosen, hashes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import threading
@@ -258,6 +259,11 @@ def test_metrics_name_the_adapters(lora_server, lora_client):
     complete(lora_client, "sql")
     after = metrics(lora_server)
     assert finished(after) >= finished(before) + 1
+    # Each served adapter with its weights' digest: the router's precise index roots its hashes there.
+    digests = {
+        s.labels["lora_name"]: s.labels["digest"] for s in after["kvscale_lora_adapter_served"].samples
+    }
+    assert re.fullmatch("[0-9a-f]{64}", digests["sql"]) and len(set(digests.values())) == len(digests)
     tokens = after["kvscale_lora_generation_tokens"].samples
     assert any(
         s.name.endswith("_total") and s.labels["lora_name"] == "sql" and s.value >= MAX_TOKENS for s in tokens

@@ -236,3 +236,71 @@ def test_a_prefix_in_flight_counts_where_it_was_sent_until_the_request_ends():
     state.request_done(sent, second)
     assert index.state(sent).pending == {}
     assert {c.name: c.prefix_match for c in state.candidates([1], None, second)} == {a: 0, b: 0}
+
+
+def test_an_adapters_blocks_are_scored_precisely_from_its_digest(target_model, tmp_path):
+    """A LoRA engine publishing its events; a prompt ran under adapter `a`. The router, told a's
+    content digest by the worker's served-adapter series, matches every full block of an `a`
+    request there, while the same tokens for the base model or for adapter `b` (whose blocks are
+    rooted elsewhere) match nothing: the worker's own rule, an adapter's KV serves only its own
+    requests. A worker that does not say a digest (vLLM) leaves an adapter request to the
+    approximate index."""
+    pytest.importorskip("peft")
+    from pathlib import Path
+
+    from test_lora_peft_parity import ATTENTION, make_adapter
+
+    from kvscale.worker import LoRARequest
+
+    requests = {
+        n: LoRARequest(
+            n,
+            i + 1,
+            str(make_adapter(Path(target_model), tmp_path / n, seed=i, r=4, target_modules=ATTENTION)),
+        )
+        for i, n in enumerate(["a", "b"])
+    }
+    llm = LLM(
+        target_model,
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=8,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        kv_events_config=json.dumps(CONFIG),
+    )
+    try:
+        digests = {n: llm.engine.add_lora(r).digest for n, r in requests.items()}
+        asyncio.run(_adapter_scored(llm, requests, digests))
+    finally:
+        llm.engine.shutdown()
+
+
+async def _adapter_scored(llm, requests, digests):
+    index = KVBlockIndex()
+    subs = KVEventSubscriptions(index, source_of(llm))
+    subs.set_endpoints({WORKER})
+    prompt = prompts(1)[0]
+    await asyncio.to_thread(llm.generate, [prompt], PARAMS, lora_request=requests["a"])
+    await caught_up(index, llm)
+    await subs.close()
+    state = RouterState(kv_index=index)
+    state.set_endpoints([WORKER])
+    said = WorkerMetrics(kv_blocks=64, served_model="tiny", max_lora=2, adapter_digests=digests)
+    state.update_metrics(WORKER, said)
+    asked = TokenPrompt([*prompt, 7, 7])
+
+    def scored(model: str | None) -> tuple[int, int, int]:
+        (c,) = state.candidates([1], state.adapter_of(model), asked)
+        return c.prefix_match, c.prefix_blocks, c.prefill_cost
+
+    assert scored("a") == (5, 5, len(asked.token_ids) - 40)
+    assert scored(None) == (0, 5, len(asked.token_ids))  # the base model: not its blocks
+    assert scored("b") == (0, 5, len(asked.token_ids))
+    state.update_metrics(WORKER, WorkerMetrics(kv_blocks=64, served_model="tiny", max_lora=2))
+    assert scored("a") == (0, 0, -1)  # no digest said: the approximate index's (empty) score
+    # A pick of an `a` request counts its blocks pending there, under a's root.
+    state.update_metrics(WORKER, said)
+    assert state.choose([1], model="a", prompt=asked) == WORKER
+    assert state._in_flight_blocks[(WORKER, id(asked))] == asked.block_hashes(8, 64, digests["a"])

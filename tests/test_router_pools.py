@@ -59,7 +59,7 @@ class ModelWorker(StandInWorker):
     async def metrics(self, request: web.Request) -> web.Response:
         m = EngineMetrics(self.model)
         m.cache_config(block_size=16, num_blocks=512, enable_prefix_caching=True, max_lora=2)
-        m.set_served_adapters(self.served)
+        m.set_served_adapters({a: "0" * 64 for a in self.served})
         m.record(IterationStats(), SchedulerStats(0, self.waiting, self.kv, 0, 0, 0), num_blocks=512)
         return web.Response(body=m.render(), content_type="text/plain")
 

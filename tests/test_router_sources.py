@@ -111,10 +111,16 @@ def test_parse_reads_the_lora_slots_from_the_workers_own_exposition():
     got = parse_metrics(m.render().decode())
     assert got.adapters == {"sql", "w3"} and got.lora_free_slots == 4  # doc left its slot; all idle
     assert got.served_adapters == frozenset()  # a LoRA worker serving none yet (a new pod)
-    m.set_served_adapters(["sql", "doc", "w3"])
-    assert parse_metrics(m.render().decode()).served_adapters == {"sql", "doc", "w3"}
-    m.set_served_adapters(["sql", "w3"])  # doc unloaded: its series goes
-    assert parse_metrics(m.render().decode()).served_adapters == {"sql", "w3"}
+    digests = {"sql": "1" * 64, "doc": "2" * 64, "w3": "3" * 64}
+    m.set_served_adapters(digests)
+    got = parse_metrics(m.render().decode())
+    assert got.served_adapters == {"sql", "doc", "w3"} and got.adapter_digests == digests
+    # doc unloaded (its series goes), sql loaded again from other weights (only the new digest).
+    m.set_served_adapters({"sql": "4" * 64, "w3": "3" * 64})
+    got = parse_metrics(m.render().decode())
+    assert got.served_adapters == {"sql", "w3"}
+    assert got.adapter_digests == {"sql": "4" * 64, "w3": "3" * 64}
+    assert m.render().decode().count('lora_name="sql"') == 2  # resident and served: one series each
     plain = EngineMetrics("tiny")
     plain.cache_config(block_size=16, num_blocks=64, enable_prefix_caching=True)
     got = parse_metrics(plain.render().decode())
@@ -302,3 +308,18 @@ def test_the_watch_resumes_from_the_last_version_and_lists_again_on_410():
     assert watcher.lists == 3 and watcher.synced
     one, two = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
     assert published == [[one], [one, two], [two], [one, two], [one]]
+
+
+def test_an_adapter_digest_that_is_not_sha256_hex_is_ignored():
+    """The digest label is a hash input the worker chooses: anything but 64 hex digits (a path, a
+    megabyte of text) is dropped, and that adapter's requests are scored approximately."""
+    page = (
+        "# TYPE kvscale_lora_adapter_served gauge\n"
+        'kvscale_lora_adapter_served{{model_name="m",lora_name="ok",digest="{}"}} 1\n'
+        'kvscale_lora_adapter_served{{model_name="m",lora_name="path",digest="../../etc/passwd"}} 1\n'
+        'kvscale_lora_adapter_served{{model_name="m",lora_name="long",digest="{}"}} 1\n'
+        'kvscale_lora_adapter_served{{model_name="m",lora_name="gone",digest="{}"}} 0\n'
+    ).format("a" * 64, "b" * 65, "c" * 64)
+    got = parse_metrics(page)
+    assert got.served_adapters == {"ok", "path", "long"}
+    assert got.adapter_digests == {"ok": "a" * 64}

@@ -285,7 +285,7 @@ def referenced_metrics(query: str) -> set[str]:
 def test_dashboard_queries_only_exported_metrics():
     metrics = EngineMetrics(MODEL)
     metrics.record(iteration(), SchedulerStats(1, 0, 0.1, 0, 0, 0), num_blocks=64)
-    metrics.set_served_adapters(["a"])
+    metrics.set_served_adapters({"a": "0" * 64})
     exported = {name for name, _ in scrape(metrics)}
     queries = dashboard_queries()
     used = set().union(*map(referenced_metrics, queries))

@@ -9,7 +9,7 @@ The engine thread feeds `record` once per step; every value comes from the engin
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -288,13 +288,17 @@ class EngineMetrics:
         # One series per adapter this server serves by name (--lora-modules and run-time loads),
         # gone at its unload: the router sends an adapter's requests only where it is served, so
         # a pod the operator has not loaded it into yet gets none (rather than answering 404).
+        # `digest`: its weights' content digest (worker/lora/adapter.py), the root of its
+        # prefix-cache block hashes, from which the router's precise index computes an adapter
+        # request's hashes (common/block_hash.py) as it does a base-model request's.
         self.lora_served = twin(
             Gauge,
             ["kvscale_lora_adapter_served"],
-            "1 for each LoRA adapter this server serves by name (its series goes at its unload).",
-            extra_labels=("lora_name",),
+            "1 for each LoRA adapter this server serves by name, with the digest of its weights "
+            "(the root of its prefix-cache block hashes); its series goes at its unload.",
+            extra_labels=("lora_name", "digest"),
         )
-        self._served: frozenset[str] = frozenset()
+        self._served: dict[str, str] = {}
         self._lora_info: Gauge | None = None
         self._lora_labels: dict[str, str] | None = None
         self._max_lora = "0"
@@ -352,10 +356,18 @@ class EngineMetrics:
         """The resident adapters' series: one at 1 per adapter in a slot now (lock held)."""
         self._resident = _set_members(self.lora_resident, self._resident, frozenset(names))
 
-    def set_served_adapters(self, names: Iterable[str]) -> None:
-        """The adapters the server serves now (lora_serving.py, at each load and unload)."""
+    def set_served_adapters(self, digests: Mapping[str, str]) -> None:
+        """The adapters the server serves now, name -> content digest (lora_serving.py, at each
+        load and unload): a series per (name, digest), the others removed."""
         with self._lock:
-            self._served = _set_members(self.lora_served, self._served, frozenset(names))
+            for name, digest in self._served.items():
+                if digests.get(name) != digest:
+                    self.lora_served.remove(lora_name=name, digest=digest)
+            for name, digest in digests.items():
+                if self._served.get(name) != digest:
+                    for m in self.lora_served.child(lora_name=name, digest=digest):
+                        m.set(1)
+            self._served = dict(digests)
 
     def render(self) -> bytes:
         """The Prometheus text exposition, consistent with whole `record` calls."""

@@ -92,6 +92,7 @@ class LoRAServing:
         self.config = config
         self.base_names = base_names  # the names that select the base model
         self.adapters: dict[str, LoRARequest] = {}
+        self.digests: dict[str, str] = {}  # each adapter's content digest (its KV's hash root)
         self.created: dict[str, int] = {}
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -129,10 +130,11 @@ class LoRAServing:
             request = LoRARequest(name, self._next_id, path)
             self._next_id += 1
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, engine.add_lora, request, allowed_roots)
+            adapter = await loop.run_in_executor(None, engine.add_lora, request, allowed_roots)
             self.adapters[name] = request
+            self.digests[name] = adapter.digest
             self.created[name] = int(time.time())
-            self.llm.metrics.set_served_adapters(self.adapters)
+            self.llm.metrics.set_served_adapters(self.digests)
             return request
 
     async def unload(self, name: str) -> None:
@@ -141,10 +143,11 @@ class LoRAServing:
             if request is None:
                 raise KeyError(name)
             self.created.pop(name, None)
+            self.digests.pop(name, None)
             engine = self.llm.engine
             assert engine is not None
             engine.remove_lora(request.lora_int_id)  # requests already running on it finish on it
-            self.llm.metrics.set_served_adapters(self.adapters)
+            self.llm.metrics.set_served_adapters(self.digests)
             self.llm.publish_metrics_soon()  # no longer resident for the router, even while idle
 
     async def load_modules(self) -> None:
