@@ -14,7 +14,9 @@ workers' events. Before each turn
 of a prefix-affinity mode the client asks the other replica for its dry-run pick of that very
 request, and the serving one names its pick in a header (`--expose-picks`): `replica_agreement`
 is the fraction of turns where they name the same worker, `replica_agreement_on_cached` the same
-over the turns whose prefix the other replica matched (the same prefix, held somewhere).
+over the turns whose prefix the other replica matched (the same prefix, held somewhere). The
+probes cost CPU on the cores the workers use, which round-robin never pays: the `--pairs` passes
+that judge TTFT and throughput run without them.
 Workers listen on their own loopback addresses (127.0.0.2, .3, ...: all of 127/8 is this host's),
 so that every worker's events are on the same ports, as pods have theirs on their own IPs.
 
@@ -317,7 +319,11 @@ async def _warm_up(url: str) -> None:
 
 
 # -- one mode --------------------------------------------------------------------------------------
-def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[str, Any]:
+def run_mode(
+    args, mode: str, convs: list[Conversation], log_dir: Path, probe_picks: bool = True
+) -> dict[str, Any]:
+    """One pass of `mode` on fresh workers and routers. `probe_picks`: ask the other replica's
+    dry-run pick before each turn (the agreement figures); off for the timed pairs."""
     flags = [
         "--served-model-name", SERVED_NAME,
         "--num-kv-blocks", str(args.num_kv_blocks),
@@ -359,7 +365,7 @@ def run_mode(args, mode: str, convs: list[Conversation], log_dir: Path) -> dict[
         before = [scrape(w.base_url) for w in workers]
         cpu_before = [r.cpu_seconds() for r in routers]
         urls = [r.base_url for r in routers]
-        compare_picks = policy == "kv-prefix" and len(urls) > 1
+        compare_picks = probe_picks and policy == "kv-prefix" and len(urls) > 1
         run = asyncio.run(run_client(urls, convs, args.concurrency, args.max_tokens, compare_picks))
         cpu = [r.cpu_seconds() for r in routers]
         router_cpu = None
@@ -587,12 +593,14 @@ def run(args) -> dict[str, Any]:
     if not order or len(set(order)) != len(order) or not set(order) <= set(MODES):
         raise ValueError(f"--order must name {' and/or '.join(MODES)}, each at most once, got {args.order!r}")
     modes = {mode: run_mode(args, mode, convs, log_dir) for mode in order}
-    pairs = []  # (round-robin, pair policy) passes back to back: the first from the order above
+    # (round-robin, pair policy) passes back to back, none probing picks: the probes are a
+    # measuring device (a parse, a tokenization and a pick on the other replica per turn, ~8 ms of
+    # CPU) that round-robin's pass never pays, on the same two cores as the workers.
+    pairs = []
     if args.pairs > 1 and "round-robin" in modes and args.pair_policy in modes:
-        pairs.append((modes["round-robin"], modes[args.pair_policy]))
-        for _ in range(args.pairs - 1):
-            rr = run_mode(args, "round-robin", convs, log_dir)
-            pairs.append((rr, run_mode(args, args.pair_policy, convs, log_dir)))
+        for _ in range(args.pairs):
+            rr = run_mode(args, "round-robin", convs, log_dir, probe_picks=False)
+            pairs.append((rr, run_mode(args, args.pair_policy, convs, log_dir, probe_picks=False)))
     block_size = 16
     return {
         "model": args.model,
@@ -692,8 +700,8 @@ def add_parser(sub, parents: list) -> None:
         "--pairs",
         type=int,
         default=1,
-        help="round-robin and --pair-policy run this many times, back to back (the first in --order): "
-        "issue 31's TTFT and throughput goals on the median pair",
+        help="after the --order passes, round-robin and --pair-policy run this many more times, back to "
+        "back, without the replicas' pick probes: issue 31's TTFT and throughput goals on the median pair",
     )
     p.add_argument("--pair-policy", default="precise-queue", choices=MODES[1:])
     p.add_argument(
