@@ -52,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--pool",
         action="append",
-        metavar="MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B]",
+        metavar="MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B][,keys=FILE]",
         help=f"one model's workers (repeatable, at most {MAX_POOLS}): SOURCE is a Service in "
         "--namespace, or worker URLs joined with + (static); scale=: its Deployment, scaled from "
-        "zero; adapters=: LoRA adapters it serves. Each request goes to its model's pool; an "
-        "unknown model gets 404",
+        "zero; adapters=: LoRA adapters it serves; keys=: its workers' API keys (a file), which a "
+        "client must present to reach it. Each request goes to its model's pool; an unknown model "
+        "gets 404",
     )
     p.add_argument("--namespace", default=None, help="the Service's namespace (default: this pod's)")
     p.add_argument("--port-name", default=None, help="the EndpointSlice port to use (default: its first)")
@@ -263,6 +264,7 @@ def build_router(args: argparse.Namespace, specs: list[PoolSpec] | None = None) 
                 waker(s.scale),
                 adapters=s.adapters,
                 tokenizer=tokenizer,  # a folder: only with one pool (pool_specs)
+                api_keys=KeyFile(s.keys) if s.keys else None,
             )
             for s in specs
         ]

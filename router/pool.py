@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from kvscale.router.auth import KeyFile
 from kvscale.router.kv_events import KVEventsSource, KVEventSubscriptions
 from kvscale.router.kv_index import KVBlockIndex, TokenPrompt
 from kvscale.router.queue import FlowControl
@@ -37,7 +38,7 @@ _URL_SCHEMES = ("http://", "https://")
 _SERVICE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1035 label: a Service's name
 _DEPLOYMENT = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")  # RFC 1123 subdomain
 _NAME = re.compile(r"[^\s,=|]+")  # a model or adapter name: what the syntax leaves free
-_KEYS = ("scale", "adapters")
+_KEYS = ("scale", "adapters", "keys")
 
 
 class UnknownModel(LookupError):
@@ -46,21 +47,26 @@ class UnknownModel(LookupError):
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """One `--pool MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B]`: exactly one of `service` and
-    `urls` is set."""
+    """One `--pool MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B][,keys=FILE]`: exactly one of
+    `service` and `urls` is set."""
 
     model: str
     service: str | None = None
     urls: tuple[str, ...] = ()
     scale: str | None = None  # the Deployment to scale from zero
     adapters: tuple[str, ...] = ()  # LoRA adapters it serves, routed here even while at zero
+    # Its workers' API keys (a file, one a line): a client must present one to reach this pool,
+    # and the router's own calls to its workers (the tokenizer) carry the first.
+    keys: str | None = None
 
 
 def parse_pool_spec(text: str) -> PoolSpec:
     """One --pool value; ValueError saying what is wrong with it."""
     model, eq, rest = text.partition("=")
     if not eq or not model:
-        raise ValueError(f"--pool {text!r}: expected MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B]")
+        raise ValueError(
+            f"--pool {text!r}: expected MODEL=SOURCE[,scale=DEPLOYMENT][,adapters=A|B][,keys=FILE]"
+        )
     if not _NAME.fullmatch(model):
         raise ValueError(f"--pool {text!r}: the model name {model!r} has a space or one of , = |")
     source, *options = rest.split(",")
@@ -90,6 +96,10 @@ def parse_pool_spec(text: str) -> PoolSpec:
             if not _DEPLOYMENT.fullmatch(value):
                 raise ValueError(f"--pool {text!r}: scale={value!r} is not a Deployment name")
             spec["scale"] = value
+        elif key == "keys":
+            if not value.startswith("/"):
+                raise ValueError(f"--pool {text!r}: keys={value!r} is not an absolute path")
+            spec["keys"] = value
         else:
             # `|`: adapter names may hold `+` (the operator's grammar allows ._:/@+-).
             adapters = tuple(value.split("|"))
@@ -183,6 +193,7 @@ class PoolParts:
     waker: Waker | None = None
     adapters: tuple[str, ...] = ()
     tokenizer: PromptTokenizer | None = None
+    api_keys: KeyFile | None = None  # its workers' keys (keys=): None, open to every client
 
 
 class Pool:
@@ -202,6 +213,7 @@ class Pool:
         fetched from one of this pool's ready workers once the router starts."""
         self.name, self.state, self.source = parts.name, parts.state, parts.source
         self.waker, self.adapters, self.tokenizer = parts.waker, parts.adapters, parts.tokenizer
+        self.api_keys = parts.api_keys
         self.events = events
         self.tokenizer_from_workers = tokenizer_from_workers
         self.subscriptions: KVEventSubscriptions | None = None

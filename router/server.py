@@ -408,12 +408,14 @@ class Router:
                 scrape_interval_s=c.scrape_interval_s,
                 scrape_timeout_s=c.scrape_timeout_s,
                 scrape_concurrency=c.scrape_concurrency,
-                worker_headers=self._worker_auth,
+                worker_headers=lambda pool=pool: self._worker_auth(pool),
             )
 
-    def _worker_auth(self) -> dict[str, str]:
-        """The router's own Authorization for a worker (its tokenizer fetch): the upstream key."""
-        key = self.upstream_key.first() if self.upstream_key is not None else None
+    def _worker_auth(self, pool: Pool) -> dict[str, str]:
+        """The router's own Authorization for a pool's worker (its tokenizer fetch): the pool's
+        workers' key (keys=), else the upstream key."""
+        keys = pool.api_keys or self.upstream_key
+        key = keys.first() if keys is not None else None
         return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
     async def stop(self, app: web.Application) -> None:
@@ -474,13 +476,32 @@ class Router:
 
     def authenticate(self, request: web.Request) -> str:
         """The request's fairness key; raises a 401 APIError when keys are configured and the
-        request carries none of them (before its body is read: a stranger costs no upload)."""
+        request carries none of them (before its body is read: a stranger costs no upload). With
+        pools that each have their own keys (keys=), a key of none of them is refused here too;
+        `authorize` then checks the one pool the request's model picks."""
+        header = request.headers.get("Authorization", "")
         who = None
         if self.api_keys is not None:
-            who = self.api_keys.identify(request.headers.get("Authorization", ""))
-            if who is None:
-                self.metrics.rejected.labels("", "unauthorized").inc()
-                raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+            who = self.api_keys.identify(header)
+        elif not self.legacy and all(p.api_keys is not None for p in self.pools.values()):
+            who = next((w for p in self.pools.values() if (w := p.api_keys.identify(header))), None)
+        else:
+            return client_key(None, request.remote)
+        if who is None:
+            self.metrics.rejected.labels("", "unauthorized").inc()
+            raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+        return client_key(who, request.remote)
+
+    def authorize(self, pool: Pool, request: web.Request, client: str) -> str:
+        """The request's fairness key for a pool with its own keys (keys=): a 401 APIError unless
+        it carries one of them, whatever another pool or the router accepts (one model's key
+        never opens another's queue, its wake-ups or its workers)."""
+        if pool.api_keys is None:
+            return client
+        who = pool.api_keys.identify(request.headers.get("Authorization", ""))
+        if who is None:
+            self.metrics.rejected.labels("", "unauthorized").inc()
+            raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
         return client_key(who, request.remote)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -501,6 +522,11 @@ class Router:
             self.metrics.rejected.labels("", "unknown_model").inc()
             self.metrics.responses.labels("", str(e.status)).inc()
             return _error(e)
+        try:
+            client = self.authorize(pool, request, client)
+        except APIError as e:
+            self.metrics.responses.labels("", str(e.status)).inc()
+            return _error(e)
         pick = await self._pick_request(pool, parsed)
         label = self.metrics.model(parsed.model)
         self.metrics.requests.labels(label).inc()
@@ -512,9 +538,10 @@ class Router:
         """The dry run of a completion's pick (expose_picks): {"endpoint": URL or null,
         "prefix_match": the blocks of its prefix the index says that endpoint holds}, in the pool
         the request's model resolves to."""
-        self.authenticate(request)
+        client = self.authenticate(request)
         parsed = await self._parse(request)
         pool = self._resolve(parsed.model)
+        self.authorize(pool, request, client)
         pick = await self._pick_request(pool, parsed)
         state = pool.state
         endpoint, _ = state.peek(pick.hashes, (), pick.model, pick.prompt)
@@ -797,7 +824,11 @@ class Router:
         if self.legacy:
             return await self._models_of_one(request, self._only)
         headers = {**self._forward_headers(request), "Accept-Encoding": "identity"}  # parsed here
-        answers = await asyncio.gather(*(self._pool_models(p, headers) for p in self.pools.values()))
+        # A pool with its own keys is listed only to a client holding one of them: its name is not
+        # announced to strangers.
+        key = request.headers.get("Authorization", "")
+        shown = [p for p in self.pools.values() if p.api_keys is None or p.api_keys.identify(key)]
+        answers = await asyncio.gather(*(self._pool_models(p, headers) for p in shown))
         data: list[dict] = []
         seen: set[str] = set()
         for answer in answers:

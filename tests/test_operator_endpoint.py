@@ -344,3 +344,43 @@ def test_a_member_naming_a_missing_endpoint_is_told_once(tmp_path):
     api.resources = [resource("a")]
     r.member_changed(resource("a"), "MODIFIED")  # fixed: the endpoint gets its pool, no event
     assert api.events == ["EndpointNotFound"] and ("Deployment", "shared") in api.writes
+
+
+def test_a_keyed_members_pool_checks_its_workers_key_at_the_shared_router():
+    """A member with server.apiKeySecret: its pool gets keys= (the file its Secret is mounted as),
+    so the shared router refuses a stranger before that model's queue and wake-up, and another
+    member's key does not open it; an open member's pool has none."""
+    found, _ = members(
+        "shared",
+        [
+            resource("a", "2026-12-06T10:00:01Z", server={"apiKeySecret": "a-keys"}),
+            resource("b", "2026-12-06T10:00:02Z"),
+        ],
+    )
+    assert found[0].api_key_secret == "a-keys" and found[1].api_key_secret is None
+    children = endpoint_children(OWNER, InferenceEndpointSpec(), found, "router:1")
+    args = args_of(children)
+    assert "a=a,keys=/etc/kvscale/router-api-keys/a/api-key" in args and "b=b" in args
+    (dep,) = [c for c in children if c["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    keyed = [v for v in pod["volumes"] if "secret" in v]
+    assert keyed == [
+        {
+            "name": "pool-keys-0",
+            "secret": {"secretName": "a-keys", "items": [{"key": "api-key", "path": "api-key"}]},
+        }
+    ]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["pool-keys-0"] == {
+        "name": "pool-keys-0",
+        "mountPath": "/etc/kvscale/router-api-keys/a",
+        "readOnly": True,
+    }
+    # The router parses what the operator renders.
+    from kvscale.router.pool import parse_pool_specs
+
+    specs = parse_pool_specs([a for i, a in enumerate(args) if i and args[i - 1] == "--pool"])
+    assert [(s.model, s.keys) for s in specs] == [
+        ("a", "/etc/kvscale/router-api-keys/a/api-key"),
+        ("b", None),
+    ]

@@ -422,6 +422,9 @@ def test_the_workers_api_key_secret_is_the_routers_key_file():
     pod = router_objects(keyed)["RouterDeployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     path = container["args"][container["args"].index("--api-key-file") + 1]
+    # The router's own calls to the workers (its tokenizer fetch) carry the same key: without it
+    # the precise index of a keyed deployment got 401s and scored nothing.
+    assert container["args"][container["args"].index("--upstream-api-key-file") + 1] == path
     (mount,) = container["volumeMounts"]
     (volume,) = pod["volumes"]
     assert volume["secret"] == {"secretName": "keys", "items": [{"key": "api-key", "path": "api-key"}]}

@@ -49,6 +49,7 @@ class ModelWorker(StandInWorker):
         self.model, self.served = model, served
         self.models_asked = 0
         self.tokenizer_asked = 0
+        self.tokenizer_auth: list[str | None] = []  # the Authorization of each tokenizer ask
 
     async def models(self, request: web.Request) -> web.Response:
         self.models_asked += 1
@@ -65,6 +66,7 @@ class ModelWorker(StandInWorker):
 
     async def tokenizer(self, request: web.Request) -> web.Response:
         self.tokenizer_asked += 1
+        self.tokenizer_auth.append(request.headers.get("Authorization"))
         return web.json_response({"error": {"message": "no tokenizer here"}}, status=404)
 
     def app(self) -> web.Application:
@@ -121,6 +123,7 @@ def test_a_pool_spec_parses_service_urls_scale_and_adapters():
     )
     # Adapter names may hold `+` (the operator's grammar: ._:/@+-); `|` separates them.
     assert parse_pool_spec("m=svc,adapters=c++@v1|org/sql:2").adapters == ("c++@v1", "org/sql:2")
+    assert parse_pool_spec("m=svc,keys=/etc/keys/m/api-key").keys == "/etc/keys/m/api-key"
 
 
 @pytest.mark.parametrize(
@@ -142,6 +145,7 @@ def test_a_pool_spec_parses_service_urls_scale_and_adapters():
         ("llama=http://a:1+", "not worker URLs"),
         ("llama=http://a:1+10.0.0.2:8000", "not worker URLs"),
         ("my model=svc", "space"),
+        ("llama=svc,keys=api-key", "not an absolute path"),
     ],
 )
 def test_a_bad_pool_spec_says_what_is_wrong(value, says):
@@ -480,3 +484,97 @@ def test_each_pool_fetches_its_tokenizer_from_its_own_workers_and_subscribes_to_
                 assert set(b.subscriptions._tasks) == set(b_urls)
 
     run(main_())
+
+
+def test_a_pool_with_its_own_keys_admits_only_its_keys_clients(tmp_path):
+    """Attack test for the shared router: models a and b each require their workers' key (keys=),
+    c is open. A stranger reaches c, but neither a nor b: 401 before a's queue, its worker and its
+    waker (a stranger cannot wake a model scaled to zero, nor list it); b's key does not open a.
+    /v1/models lists only what the client's key opens. Each pool's own calls to its workers (the
+    tokenizer) carry that pool's key, an open pool's none."""
+    keys = {}
+    for name in ("a", "b"):
+        keys[name] = tmp_path / f"{name}-keys"
+        keys[name].write_text(f"key-{name}\n")
+
+    async def main_():
+        from kvscale.router.auth import KeyFile
+
+        a1, c1 = ModelWorker("a"), ModelWorker("c")
+        waker = CountingWaker()
+        async with workers(a1) as a_urls, workers(c1) as c_urls:
+            pools = [
+                static("a", a_urls, api_keys=KeyFile(keys["a"])),
+                PoolParts("b", RouterState(), ManualSource(), waker, api_keys=KeyFile(keys["b"])),
+                static("c", c_urls),
+            ]
+            r = Router(
+                config=RouterConfig(scrape_interval_s=0.05, expose_picks=True),
+                pools=pools,
+                kv_events=KVEventsSource(port=1, replay_port=2),
+                tokenizer_from_workers=True,
+            )
+            async with serving(build_app(r)) as url, aiohttp.ClientSession() as s:
+
+                async def ask(model: str, key: str | None, path: str = "/v1/completions") -> int:
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with s.post(url + path, json=body(model), headers=headers) as resp:
+                        if resp.status == 401:
+                            assert (await resp.json())["error"]["code"] == "invalid_api_key"
+                        return resp.status
+
+                assert await ask("c", None) == 200
+                assert [await ask("a", k) for k in (None, "key-b", "nope")] == [401, 401, 401]
+                assert [await ask("b", k) for k in (None, "key-a")] == [401, 401]
+                assert waker.calls == 0 and len(r.pools["b"].flow) == 0  # b was never woken
+                assert a1.received == []  # nothing reached a's worker
+                assert await ask("a", "key-a") == 200 and a1.models_received() == ["a"]
+                assert await ask("a", "key-b", "/kvscale/pick/v1/completions") == 401
+
+                async def listed(key: str | None) -> list[str]:
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with s.get(url + "/v1/models", headers=headers) as resp:
+                        assert resp.status == 200
+                        return [m["id"] for m in (await resp.json())["data"]]
+
+                assert await listed(None) == ["c"]
+                assert await listed("key-a") == ["a", "c"]
+                assert await listed("key-b") == ["b", "c"]
+                await until(lambda: a1.tokenizer_asked and c1.tokenizer_asked, "each pool's fetch")
+                assert a1.tokenizer_auth[0] == "Bearer key-a" and c1.tokenizer_auth[0] is None
+                page = await metrics_page(s, url)
+                assert 'kvscale_router_rejected_requests_total{model="",reason="unauthorized"} 6.0' in page
+
+    run(main_())
+
+
+def test_when_every_pool_has_keys_a_stranger_is_refused_before_its_body():
+    """No open pool: a request with none of the pools' keys is refused at the door, before its body
+    is read (a stranger costs no upload), as with the router's own --api-key-file."""
+
+    async def main_(tmp):
+        from kvscale.router.auth import KeyFile
+
+        (tmp / "k").write_text("key-a\n")
+        a1 = ModelWorker("a")
+        async with (
+            workers(a1) as a_urls,
+            pooled([static("a", a_urls, api_keys=KeyFile(tmp / "k"))]) as (_, url),
+        ):
+            reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+            # Headers promising a 1 GB body that never comes: the answer cannot wait for it.
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000000\r\n\r\n"
+            )
+            await writer.drain()
+            status = await asyncio.wait_for(reader.readline(), 10)
+            assert status.startswith(b"HTTP/1.1 401"), status
+            writer.close()
+            assert a1.received == []
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run(main_(Path(tmp)))

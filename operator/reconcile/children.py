@@ -16,6 +16,7 @@ import json
 import math
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -792,9 +793,11 @@ ROUTER_KEYS_DIR = "/etc/kvscale/router-api-keys"
 def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
     args = ["--service", owner.name, "--port-name", "http", "--port", str(PORT)]
     if spec.server.api_key_secret:
-        # The workers' key, checked at the router too (before a stranger takes a queue place)
-        # and forwarded to the workers, which check it again.
-        args += ["--api-key-file", f"{ROUTER_KEYS_DIR}/api-key"]
+        # The workers' key, checked at the router too (before a stranger takes a queue place),
+        # and the router's own to the workers (its tokenizer fetch; a client's request goes on
+        # with it too, already checked), which check it again.
+        key_file = f"{ROUTER_KEYS_DIR}/api-key"
+        args += ["--api-key-file", key_file, "--upstream-api-key-file", key_file]
     if precise_index(spec):
         args += ["--kv-events-port", str(KV_EVENTS_PORT), "--kv-events-replay-port", str(KV_REPLAY_PORT)]
         args += ["--tokenizer", "workers"]
@@ -803,6 +806,11 @@ def router_args(owner: Owner, spec: InferenceDeploymentSpec) -> list[str]:
         args += ["--scale-deployment", owner.name]
         args += ["--queue-timeout", str(max(60, spec.server.startup_timeout_seconds))]
     return args
+
+
+def pool_keys_file(member: str) -> str:
+    """Where an endpoint's router reads a keyed member's workers' key (its `--pool ...,keys=`)."""
+    return f"{ROUTER_KEYS_DIR}/{member}/api-key"
 
 
 ROUTER_CPU_REQUEST = "100m"
@@ -835,10 +843,13 @@ def router_pods_deployment(
     image: str,
     *,
     api_key_secret: str | None = None,
+    pool_key_secrets: Sequence[tuple[str, str]] = (),
     ids: PodSecurity | None = None,
 ) -> dict[str, Any]:
     """The router's Deployment: an InferenceDeployment's own (router_deployment) or an
-    InferenceEndpoint's (reconcile/endpoint.py); its ServiceAccount has the Deployment's name."""
+    InferenceEndpoint's (reconcile/endpoint.py); its ServiceAccount has the Deployment's name.
+    `pool_key_secrets`: (member, Secret) of an endpoint's members whose workers want a key, each
+    mounted at pool_keys_file(member)."""
     http = {"path": "/ready", "port": "http"}
     precise = r.prefix_index == "precise"
     container = {
@@ -867,6 +878,11 @@ def router_pods_deployment(
         secret = {"secretName": api_key_secret, "items": [{"key": "api-key", "path": "api-key"}]}
         volumes.append({"name": "api-keys", "secret": secret})
         mounts.append({"name": "api-keys", "mountPath": ROUTER_KEYS_DIR, "readOnly": True})
+    for i, (member, secret_name) in enumerate(pool_key_secrets):
+        secret = {"secretName": secret_name, "items": [{"key": "api-key", "path": "api-key"}]}
+        volumes.append({"name": f"pool-keys-{i}", "secret": secret})
+        mount_dir = pool_keys_file(member).rsplit("/", 1)[0]
+        mounts.append({"name": f"pool-keys-{i}", "mountPath": mount_dir, "readOnly": True})
     if precise:
         # The tokenizer fetched from a worker is written out and loaded from /tmp (the root
         # filesystem is read-only): its files are at most 64 MiB (the worker's cap).

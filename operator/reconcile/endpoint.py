@@ -30,6 +30,7 @@ from kvscale.operator.reconcile.children import (
     http_from,
     operator_peer,
     owner_reference,
+    pool_keys_file,
     router_pods_deployment,
     scales_from_zero,
 )
@@ -51,6 +52,7 @@ class Member:
     adapters: tuple[str, ...] = ()
     scales_from_zero: bool = False
     startup_timeout_s: int = 0
+    api_key_secret: str | None = None  # server.apiKeySecret: its workers' key, checked at the router
 
     def pool_arg(self) -> str:
         """The router's `--pool` value for this member."""
@@ -59,6 +61,8 @@ class Member:
             out += f",scale={self.deployment}"
         if self.adapters:
             out += ",adapters=" + "|".join(self.adapters)
+        if self.api_key_secret:
+            out += f",keys={pool_keys_file(self.deployment)}"
         return out
 
 
@@ -111,6 +115,7 @@ def members(endpoint: str, resources: list[dict[str, Any]]) -> tuple[list[Member
                 tuple(a.name for a in spec.adapters),
                 scales_from_zero(spec),
                 spec.server.startup_timeout_seconds,
+                spec.server.api_key_secret,
             )
         )
     return out, problems
@@ -186,7 +191,13 @@ def endpoint_children(
     rbac = "rbac.authorization.k8s.io"
     selector = endpoint_selector_labels(owner.name)
     deployment = router_pods_deployment(
-        _metadata(owner), selector, spec.router, router_args(spec, pool), image, ids=ids
+        _metadata(owner),
+        selector,
+        spec.router,
+        router_args(spec, pool),
+        image,
+        pool_key_secrets=[(m.deployment, m.api_key_secret) for m in pool if m.api_key_secret],
+        ids=ids,
     )
     if not pool:
         deployment["spec"]["replicas"] = 0
