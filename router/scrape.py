@@ -37,6 +37,7 @@ FAMILIES = {
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:prefix_cache_hits": "prefix_hits",
     "kvscale_kv_cache_blocks": "kv_blocks",
+    "kvscale_prefill_tokens_pending": "prefill_pending",
 }
 RESIDENT = "kvscale_lora_adapter_resident"  # ours: one series per adapter in a device slot
 SERVED = "kvscale_lora_adapter_served"  # ours: a series per adapter served by name, with its digest
@@ -105,6 +106,7 @@ def parse_metrics(text: str) -> WorkerMetrics:
         prefix_queries=values.get("prefix_queries", 0.0),
         prefix_hits=values.get("prefix_hits", 0.0),
         kv_blocks=int(values.get("kv_blocks", 0)),
+        prefill_pending=int(values["prefill_pending"]) if "prefill_pending" in values else None,
         served_model=served,
         max_lora=max_lora,
         # A running adapter is in a slot too: all a vLLM worker, without our gauge, tells of them.

@@ -34,6 +34,9 @@ class WorkerMetrics:
     prefix_queries: float = 0.0  # prompt tokens looked up in its prefix cache, since it started
     prefix_hits: float = 0.0
     kv_blocks: int = 0
+    # Prompt tokens its requests have not computed yet, every router's and client's (ours say it;
+    # None: a vLLM worker does not).
+    prefill_pending: int | None = None
     served_model: str = ""  # its metrics' model_name label: the name its base model is served as
     max_lora: int = 0  # its LoRA device slots (0: no LoRA)
     adapters: frozenset[str] = frozenset()  # the LoRA adapters in its device slots now
@@ -70,6 +73,8 @@ class RouterState:
         # there and not answered yet; per (endpoint, request), its share, taken back once.
         self.pending_prefill: dict[str, int] = {}
         self._prefill: dict[tuple[str, int], int] = {}
+        # Ours at each endpoint when its last scrape came in: what of its own count was ours.
+        self._pending_at_scrape: dict[str, int] = {}
         # The precise index's pending blocks of each (endpoint, request) in flight.
         self._in_flight_blocks: dict[tuple[str, int], list[bytes]] = {}
         self._turn = 0
@@ -83,6 +88,7 @@ class RouterState:
             if self.kv_index is not None:
                 self.kv_index.remove(gone)
             self.metrics.pop(gone, None)
+            self._pending_at_scrape.pop(gone, None)
         self.endpoints = new
 
     def update_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
@@ -93,6 +99,17 @@ class RouterState:
             self.index.clear(endpoint)  # its counters restarted: so did the worker, and its cache
         self.index.set_capacity(endpoint, m.kv_blocks)
         self.metrics[endpoint] = m
+        self._pending_at_scrape[endpoint] = self.pending_prefill.get(endpoint, 0)
+
+    def prefill_ahead(self, endpoint: str) -> int:
+        """The prefill tokens ahead of a new request there: ours not answered yet, plus what the
+        worker's last scrape counted beyond ours then (other router replicas' requests, other
+        clients'; a scrape old, so ours sent since are counted once, by us)."""
+        own = self.pending_prefill.get(endpoint, 0)
+        m = self.metrics.get(endpoint)
+        if m is None or m.prefill_pending is None:
+            return own
+        return own + max(0, m.prefill_pending - self._pending_at_scrape.get(endpoint, 0))
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, None for the base model. The workers say
@@ -135,7 +152,7 @@ class RouterState:
                     in_flight=self.in_flight.get(name, 0),
                     prefix_match=match,
                     prefix_blocks=blocks,
-                    pending_prefill=self.pending_prefill.get(name, 0),
+                    pending_prefill=self.prefill_ahead(name),
                     prefill_cost=cost,
                     has_adapter=has_adapter,
                     adapter_empty=adapter_empty,

@@ -304,3 +304,31 @@ async def _adapter_scored(llm, requests, digests):
     state.update_metrics(WORKER, said)
     assert state.choose([1], model="a", prompt=asked) == WORKER
     assert state._in_flight_blocks[(WORKER, id(asked))] == asked.block_hashes(8, 64, digests["a"])
+
+
+def test_the_prefill_guard_counts_the_workers_backlog_beyond_its_own_requests():
+    """Two router replicas each see only their own requests; the worker's own count of prompt
+    tokens not computed yet (kvscale_prefill_tokens_pending, every replica's) fills in the rest:
+    at each scrape, what it counts beyond this replica's pending tokens then is the others'. A
+    worker that does not say it (vLLM) leaves the replica's own count."""
+    a = "http://10.0.0.1:8000"
+    state = RouterState()
+    state.set_endpoints([a])
+    state.update_metrics(a, WorkerMetrics(kv_blocks=64))
+    assert state.prefill_ahead(a) == 0
+    mine = TokenPrompt(list(range(300)))
+    state._prefill[(a, id(mine))] = 300
+    state.pending_prefill[a] = 300
+    assert state.prefill_ahead(a) == 300  # no worker count: ours alone
+    state.update_metrics(a, WorkerMetrics(kv_blocks=64, prefill_pending=1000))  # 700 not ours
+    assert state.prefill_ahead(a) == 1000
+    later = TokenPrompt(list(range(200)))
+    state._prefill[(a, id(later))] = 200
+    state.pending_prefill[a] += 200  # sent since the scrape: counted once, by us
+    assert state.prefill_ahead(a) == 1200
+    state.prefill_done(a, mine)
+    assert state.prefill_ahead(a) == 900
+    state.update_metrics(a, WorkerMetrics(kv_blocks=64, prefill_pending=150))  # less than ours
+    assert state.prefill_ahead(a) == 200
+    (c,) = state.candidates([1])
+    assert c.pending_prefill == 200

@@ -86,13 +86,16 @@ def _worker_exposition(**values) -> str:
     m.prefix_queries.inc(values.get("queries", 0))
     m.prefix_hits.inc(values.get("hits", 0))
     m.kv_cache_blocks.set(values.get("blocks", 0))
+    m.prefill_tokens.set(values.get("prefill", 0))
     return m.render().decode()
 
 
 def test_parse_reads_the_workers_own_exposition():
-    got = parse_metrics(_worker_exposition(kv=0.42, waiting=3, running=5, queries=900, hits=300, blocks=128))
+    got = parse_metrics(
+        _worker_exposition(kv=0.42, waiting=3, running=5, queries=900, hits=300, blocks=128, prefill=4321)
+    )
     assert got.kv_usage == pytest.approx(0.42)
-    assert (got.waiting, got.running, got.kv_blocks) == (3, 5, 128)
+    assert (got.waiting, got.running, got.kv_blocks, got.prefill_pending) == (3, 5, 128, 4321)
     assert (got.prefix_queries, got.prefix_hits) == (900, 300)
 
 

@@ -133,6 +133,23 @@ def test_decodes_run_before_new_prefills_and_budget_chunks_prompts():
     assert out.num_scheduled_tokens == [1, 9]  # a's decode first, then a 9-token chunk of b
 
 
+def test_the_prefill_backlog_is_the_prompt_tokens_not_computed_yet():
+    """stats().num_prefill_tokens (the worker's kvscale_prefill_tokens_pending, which the routers'
+    prefill guard reads): every queued prompt token at first, then what chunked prefill has left,
+    0 once only decodes run."""
+    kv = KVCacheManager(64, 4)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=128)
+    sched = Scheduler(cfg, kv)
+    sched.add_request(Request("a", list(range(6)), SamplingParams(max_tokens=5), max_tokens=5))
+    sched.add_request(Request("b", list(range(100, 130)), SamplingParams(max_tokens=5), max_tokens=5))
+    assert sched.stats().num_prefill_tokens == 36
+    backlog = []
+    while sched.stats().num_prefill_tokens:
+        run_step(sched, kv, cfg)
+        backlog.append(sched.stats().num_prefill_tokens)
+    assert backlog == [26, 17, 8, 0]  # 10 tokens a step; from the second, a's decode takes one
+
+
 def test_preemption_takes_the_most_recently_admitted():
     kv = KVCacheManager(4, 4, enable_caching=False)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)

@@ -359,4 +359,9 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             running_lora_adapters=sorted({r.lora_name for r in self.running if r.lora_request is not None}),
             waiting_lora_adapters=sorted({r.lora_name for r in self.waiting if r.lora_request is not None}),
+            num_prefill_tokens=sum(
+                max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                for queue in (self.waiting, self.running)
+                for r in queue
+            ),
         )

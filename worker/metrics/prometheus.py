@@ -103,6 +103,12 @@ class EngineMetrics:
         self.num_waiting = twin(
             Gauge, ["kvscale_requests_waiting", "vllm:num_requests_waiting"], "Requests queued for admission."
         )
+        self.prefill_tokens = twin(
+            Gauge,
+            ["kvscale_prefill_tokens_pending"],
+            "Prompt tokens of waiting and running requests not computed yet: the prefill work ahead "
+            "of a new request's first token.",
+        )
         self.prompt_tokens = twin(
             Counter,
             ["kvscale_prompt_tokens", "vllm:prompt_tokens"],
@@ -383,6 +389,7 @@ class EngineMetrics:
         self.kv_cache_blocks.set(num_blocks)
         self.num_running.set(sched.num_running)
         self.num_waiting.set(sched.num_waiting)
+        self.prefill_tokens.set(sched.num_prefill_tokens)
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
         self.prefix_queries.inc(it.prefix_cache_queries)

@@ -74,3 +74,7 @@ class SchedulerStats:
     # LoRA: the adapters of the running and of the waiting requests, by name (vllm:lora_requests_info).
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # Prompt tokens of the waiting and running requests not computed yet: the prefill work ahead of
+    # a new request's first token (a waiting request's cached prefix is counted until it is
+    # admitted and matched). What the routers' prefill guard reads, every router's requests in it.
+    num_prefill_tokens: int = 0
