@@ -111,6 +111,66 @@ def test_two_builders_at_once_leave_one_whole_package(target_model, tmp_path, st
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
 
 
+def test_builds_in_one_cache_take_turns_and_the_later_one_loads_the_first(
+    target_model, tmp_path, stub_compiler, monkeypatch
+):
+    """Three bench workers started together each compiled the same package side by side: 3x the
+    CPU, and inductor's shared files raced (one package held another build's empty
+    kernel_metadata.json and never loaded). A build now holds the cache's lock: the second waits,
+    says so, then finds the first one's package and builds nothing."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real = torch._inductor.aoti_compile_and_package
+
+    def slow(*a, **k):
+        started.set()
+        assert release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", slow)
+    monkeypatch.setattr(aot_package, "load_package", lambda folder, *a: {})  # stub packages
+    said: dict[str, list[str]] = {"first": [], "second": []}
+    results = {}
+
+    def build(who: str) -> None:
+        results[who] = aot_package.build_for_model(
+            target_model, "float32", 16, tmp_path, progress=said[who].append
+        )
+
+    first = threading.Thread(target=build, args=("first",))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=build, args=("second",))
+    second.start()
+    deadline = 100
+    while not any("waiting" in m for m in said["second"]) and deadline:
+        deadline -= 1
+        threading.Event().wait(0.05)
+    assert any("another build holds" in m for m in said["second"]), said
+    assert not any("compiling" in m for m in said["second"])
+    release.set()
+    first.join(30)
+    second.join(30)
+    (folder, built), (again, built_again) = results["first"], results["second"]
+    assert built and not built_again and again == folder
+    assert len(stub_compiler) == len(GRAPHS)  # one build
+
+
+def test_a_build_keeps_inductors_files_to_itself_and_removes_them():
+    """`kvscale-worker compile` runs inside private_inductor_cache: a fresh folder inside inductor's
+    own (so its checks hold), the variable restored and the folder gone afterwards."""
+    import os
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with aot_package.private_inductor_cache() as scratch:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == scratch and Path(scratch).is_dir()
+        assert Path(scratch).name.startswith("kvscale-build-")
+        (Path(scratch) / "kernel_metadata.json").write_text("{}")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+    assert not Path(scratch).exists()
+
+
 def builds_into(monkeypatch, target_model, compile_cache_dir: Path, home: Path):
     """The folder a worker hands its build behind (None: no build)."""
     commands = []

@@ -160,7 +160,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     names the package's folder (compile_behind.py reads it)."""
     from pathlib import Path
 
-    from kvscale.worker.model.aot_package import build_for_model, default_cache_dir
+    from kvscale.worker.model.aot_package import build_for_model, default_cache_dir, private_inductor_cache
 
     if args.nice:
         os.nice(args.nice)
@@ -177,15 +177,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     cache_dir = Path(args.compile_cache_dir) if args.compile_cache_dir else default_cache_dir()
     started = time.monotonic()
-    folder, built = build_for_model(
-        model,
-        args.dtype,
-        args.block_size,
-        cache_dir,
-        force=args.force,
-        progress=say,
-        lora=args.enable_lora,
-    )
+    with private_inductor_cache():
+        folder, built = build_for_model(
+            model,
+            args.dtype,
+            args.block_size,
+            cache_dir,
+            force=args.force,
+            progress=say,
+            lora=args.enable_lora,
+        )
     seconds = time.monotonic() - started
     say(f"{'compiled' if built else 'found'} in {seconds:.1f} s, package: {folder}")
     return 0

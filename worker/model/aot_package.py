@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -434,16 +435,63 @@ def build_for_model(
     allocate_parameters(model, cpu, dtype)  # never written: the package holds code, not weights
     model.init_rope(cpu)
     key = artefact_key(model.spec, dtype, block_size, lora)
-    found = find_package(key, [cache_dir])
-    if found is not None and not force:
+    with build_lock(cache_dir, progress):
+        found = find_package(key, [cache_dir])
+        if found is not None and not force:
+            try:
+                load_package(found, model, dtype, block_size, lora)
+                return found, False
+            except Exception as e:  # a torn or foreign package under this CPU's name: replaced
+                progress(f"cannot load {found} ({e}); compiling anew")
+                force = True
+        what = " with the LoRA graphs" if lora else ""
+        progress(
+            f"compiling the forward of {model_path}{what} ({dtype}, block size {block_size}) into {cache_dir}"
+        )
+        return build_package(model, dtype, block_size, cache_dir, progress, replace=force, lora=lora), True
+
+
+@contextlib.contextmanager
+def private_inductor_cache():
+    """Inductor's intermediate files (generated C++, kernels, their metadata) for this build alone,
+    in a folder inside the one inductor would use (checked writable and exec), removed after:
+    other builds on the machine write the same paths for the same kernels, and a package once took
+    another build's half-written file (see build_lock). The package is the cache that matters."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    base = before or default_cache_dir()
+    os.makedirs(base, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="kvscale-build-", dir=base)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch  # read by inductor at each use
+    try:
+        yield scratch
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+BUILD_LOCK = ".build.lock"
+
+
+@contextlib.contextmanager
+def build_lock(cache_dir: Path, progress=print):
+    """One build at a time in a cache folder (an flock, which the kernel drops if its holder dies):
+    workers starting together on one machine build once and the others load that package, rather
+    than compile the same graphs side by side. Side by side they cost each other the CPU, and
+    inductor's shared intermediate files raced: one package got another build's half-written
+    (empty) kernel_metadata.json and could never load (measured: three bench workers)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / BUILD_LOCK, "a") as f:
         try:
-            load_package(found, model, dtype, block_size, lora)
-            return found, False
-        except Exception as e:  # a torn or foreign package under this CPU's name: replaced
-            progress(f"cannot load {found} ({e}); compiling anew")
-            force = True
-    what = " with the LoRA graphs" if lora else ""
-    progress(
-        f"compiling the forward of {model_path}{what} ({dtype}, block size {block_size}) into {cache_dir}"
-    )
-    return build_package(model, dtype, block_size, cache_dir, progress, replace=force, lora=lora), True
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"another build holds {cache_dir / BUILD_LOCK}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
