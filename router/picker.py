@@ -42,7 +42,10 @@ Filter, guard, score, pick:
    are one request each. Where it applies (every endpoint left has a known cost: synced) it is
    the load guard, in place of the request-count bound above, which with a few requests in flight
    per endpoint spills a prefix whenever it has two (and two router replicas, each counting only
-   its own, spill differently).
+   its own, spill differently); and the queue score weighs that same work, pending_prefill +
+   prefill_cost, instead of queued requests: a prompt cached nowhere (a new tenant's first turn,
+   the slowest first tokens of the route benchmark: docs/benchmarks.md) goes where the least
+   prefill is ahead of it, not only wherever KV usage is lowest.
 4. pick the highest score; ties go by rendezvous hash of (the request's first block, endpoint), so
    that equal endpoints split new prefixes between them deterministically, then by name.
 """
@@ -139,18 +142,25 @@ def pick(
     able = [c for c in candidates if can_take(c, config)]
     if not able:
         return None
-    if config.prefill_factor is not None and all(c.prefill_cost >= 0 for c in able):
+    guarded = config.prefill_factor is not None and all(c.prefill_cost >= 0 for c in able)
+    if guarded:
         able = prefill_guard(able, config.prefill_factor, config.prefill_slack)
     else:
         bound = load_bound(sum(c.in_flight for c in able), len(able), max(1.0, config.load_factor))
         able = [c for c in able if c.in_flight < bound]
-    lo, hi = min(c.queued for c in able), max(c.queued for c in able)
+
+    def ahead(c: Candidate) -> int:
+        # With the prefill guard, the queue is the prefill work before this request's first token
+        # there (what a TTFT tail is made of: a cold prompt behind another one); else requests.
+        return c.pending_prefill + c.prefill_cost if guarded else c.queued
+
+    lo, hi = min(ahead(c) for c in able), max(ahead(c) for c in able)
     w = config.weights
 
     def score(c: Candidate) -> float:
         total = c.prefix_blocks or num_blocks
         prefix = c.prefix_match / total if total else 0.0
-        queue = 1.0 - (c.queued - lo) / (hi - lo) if hi > lo else 1.0
+        queue = 1.0 - (ahead(c) - lo) / (hi - lo) if hi > lo else 1.0
         kv = 1.0 - min(1.0, max(0.0, c.kv_usage))
         return w.prefix * prefix + w.kv * kv + w.queue * queue + w.lora * adapter_affinity(c)
 

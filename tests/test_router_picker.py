@@ -144,6 +144,22 @@ def test_a_busier_home_keeps_its_prefix_until_requests_queue_there():
     assert pick([unseen, other, third], 10) == "other"
 
 
+def test_with_the_prefill_guard_a_cold_prompt_goes_where_the_least_prefill_is_ahead():
+    """The route benchmark's slowest first tokens were prompts cached nowhere, sent behind another
+    cold prompt's prefill while a worker had none ahead (its KV usage a little higher). With the
+    prefill guard the queue score weighs the prefill work ahead (pending + this request's cost)."""
+    guard = PickerConfig(prefill_factor=2.0, prefill_slack=1000)  # wide: every one passes the guard
+    behind = Candidate("behind", kv_usage=0.10, pending_prefill=457, prefill_cost=457, prefix_blocks=28)
+    free = Candidate("free", kv_usage=0.30, pending_prefill=0, prefill_cost=457, prefix_blocks=28)
+    assert pick([behind, free], 28, config=guard) == "free"
+    assert pick([behind, free], 28) == "behind"  # without the guard: requests queued, then KV
+    # A warm prompt still goes home: its cost there is small, and the prefix score is there too.
+    home = Candidate(
+        "home", kv_usage=0.30, pending_prefill=457, prefill_cost=73, prefix_match=24, prefix_blocks=28
+    )
+    assert pick([home, free], 28, config=guard) == "home"
+
+
 def test_an_endpoint_at_its_limit_takes_nothing_and_none_when_all_are():
     config = PickerConfig(max_waiting=4, max_kv_usage=0.95)
     full_queue = Candidate("a", waiting=4, prefix_match=10)
