@@ -423,6 +423,28 @@ def test_the_kubernetes_client_is_fenced_and_times_out(api_server):
     assert Recorder.seen == [("PUT", "/api/v1/namespaces/ns/configmaps/drop")]
 
 
+def test_a_write_is_checked_again_on_the_connection_as_it_is_sent(api_server):
+    """A process frozen after the client's check (while a connection was taken or opened) and
+    resumed after its lease passed on must not send the write: the connection checks again."""
+    clock = FakeClock(0.0)
+    fence = Fence(T, clock=clock)
+    fence.renewed(0.0)
+    api = client.ApiClient(client.Configuration(host=api_server))
+    fence_api_client(api, fence, timeout=(1.0, 0.3))
+    pool = api.rest_client.pool_manager.connection_from_url(api_server)
+    make = pool._new_conn
+
+    def frozen_then_resumed():
+        clock.t = 10.0  # the renew deadline passes while the connection is being made
+        return make()
+
+    pool._new_conn = frozen_then_resumed
+    Recorder.seen.clear()
+    with pytest.raises(NotLeader):
+        client.CoreV1Api(api).patch_namespaced_config_map("x", "ns", {"data": {"a": "b"}})
+    assert Recorder.seen == []  # it never left
+
+
 async def _aiohttp_server(seen: list[str], release: asyncio.Event) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
         seen.append(f"{request.method} {request.path}")

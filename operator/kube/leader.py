@@ -341,6 +341,13 @@ def fence_api_client(api: client.ApiClient, fence: Fence, timeout: Any = API_TIM
     # error), seconds after the check: a write leaves once or not at all. The loops above retry.
     api.configuration.retries = False
     rest_client = rest.RESTClientObject(api.configuration)
+    # And again on the connection, as the request's bytes are written: between the first check and
+    # the send, a connection is taken from the pool or opened (a TCP and TLS handshake), and a
+    # process frozen there (a paused VM, SIGSTOP) sent its write when it resumed, after the lease
+    # had passed to another (caught by e2e/test_leader.py).
+    manager = rest_client.pool_manager
+    if hasattr(manager, "pool_classes_by_scheme"):
+        manager.pool_classes_by_scheme = _fenced_pools(fence)
     send = rest_client.request
 
     def request(method: str, url: str, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
@@ -349,6 +356,28 @@ def fence_api_client(api: client.ApiClient, fence: Fence, timeout: Any = API_TIM
 
     rest_client.request = request
     api.rest_client = rest_client
+
+
+def _fenced_pools(fence: Fence) -> dict[str, type]:
+    """urllib3 connection pools whose connections check the fence as they send a write."""
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    def fenced(base: type) -> type:
+        class Fenced(base):  # type: ignore[misc, valid-type]
+            def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+                fence.check(method, url)
+                return super().request(method, url, *args, **kwargs)
+
+        return Fenced
+
+    class Pool(HTTPConnectionPool):
+        ConnectionCls = fenced(HTTPConnection)
+
+    class TLSPool(HTTPSConnectionPool):
+        ConnectionCls = fenced(HTTPSConnection)
+
+    return {"http": Pool, "https": TLSPool}
 
 
 def fence_trace(fence: Fence) -> aiohttp.TraceConfig:
