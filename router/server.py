@@ -488,9 +488,12 @@ class Router:
         else:
             return client_key(None, request.remote)
         if who is None:
-            self.metrics.rejected.labels("", "unauthorized").inc()
-            raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+            raise self._unauthorized()
         return client_key(who, request.remote)
+
+    def _unauthorized(self) -> APIError:
+        self.metrics.rejected.labels("", "unauthorized").inc()  # no model label: not theirs to make
+        return APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
 
     def authorize(self, pool: Pool, request: web.Request, client: str) -> str:
         """The request's fairness key for a pool with its own keys (keys=): a 401 APIError unless
@@ -500,8 +503,7 @@ class Router:
             return client
         who = pool.api_keys.identify(request.headers.get("Authorization", ""))
         if who is None:
-            self.metrics.rejected.labels("", "unauthorized").inc()
-            raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+            raise self._unauthorized()
         return client_key(who, request.remote)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
