@@ -40,3 +40,16 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
+
+
+class WorkerLoad(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """kvscale's own message on the same stream, under a topic of its own (`load_topic`, off unless
+    set): the worker's prefill work ahead, sent as it changes (a step launched, a step done), so a
+    router replica sees another's cold prompt within a step instead of a scrape later. Two frames,
+    `[topic, msgpack ["WorkerLoad", ts, prefill_tokens]]`: a KV-event reader (three frames) that
+    subscribes to every topic can tell it apart by its frame count."""
+
+    ts: float
+    # Prompt tokens of its requests (every client's) whose prefill is not done: waiting, or in a
+    # step not finished yet.
+    prefill_tokens: int

@@ -82,7 +82,12 @@ def in_user_code(tid: int) -> bool:
     a state no real hang reaches. Frozen in user code without the GIL, it is inside a native
     kernel (a torch op), where real hangs sit.
     """
-    return Path(f"/proc/{tid}/syscall").read_text().split()[0] == "-1"
+    return where_stopped(tid) == "-1"
+
+
+def where_stopped(tid: int) -> str:
+    """The system call number the stopped thread `tid` is in ("-1": none, its own code)."""
+    return Path(f"/proc/{tid}/syscall").read_text().split()[0]
 
 
 class ThreadStopper:
@@ -115,6 +120,10 @@ class ThreadStopper:
     def in_user_code(self) -> bool:
         """After stop(): see in_user_code."""
         return in_user_code(self.tid)
+
+    def where_stopped(self) -> str:
+        """After stop(): see where_stopped."""
+        return where_stopped(self.tid)
 
     def wait_exit_in_background(self) -> None:
         """From now on the thread stays stopped until it exits; the child reaps it and exits."""

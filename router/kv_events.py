@@ -12,6 +12,10 @@ numbered; the index applies them in order:
   and a resync that fails is asked again from 0 after 2 s, doubling to 60 s;
 - numbers that go backwards mean a new publisher (the worker restarted): start over from 0.
 
+The same stream carries the worker's load when it publishes one (`load_topic`, kvscale's: two
+frames, common/kv_events.py `WorkerLoad`): handed to `on_load` as it comes (RouterState.update_load),
+and withdrawn (None) when the connection drops, so a stale one is never believed.
+
 Budgets, the worker being a network peer: a message is at most `max_message_bytes` (ZMQ refuses
 larger ones: a snapshot of a 500k-block index is ~50 MB); a replay must answer each message within
 `replay_timeout_s` or the endpoint stays unsynced and is asked again after the backoff; a batch
@@ -31,7 +35,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvscale.common.kv_events import AllBlocksCleared, KVEventBatch
+from kvscale.common.kv_events import AllBlocksCleared, KVEventBatch, WorkerLoad
 from kvscale.router.kv_index import KVBlockIndex
 
 logger = logging.getLogger(__name__)
@@ -67,12 +71,15 @@ class EndpointSubscriber:
         source: KVEventsSource,
         context: zmq.asyncio.Context,
         on_event: Callable[[str, str], None] = lambda endpoint, what: None,
+        on_load: Callable[[str, int | None], None] = lambda endpoint, tokens: None,
     ) -> None:
         self.endpoint, self.index, self.source = endpoint, index, source
         self.context = context
-        # (endpoint, what): "batch", "gap", "resync", "synced", "restart", "bad", "timeout" or
-        # "disconnect".
+        # (endpoint, what): "batch", "gap", "resync", "synced", "restart", "bad", "timeout",
+        # "disconnect" or "load".
         self.on_event = on_event
+        self.on_load = on_load  # (endpoint, its prefill tokens ahead; None: not known any more)
+        self._load_decoder = msgspec.msgpack.Decoder(WorkerLoad)
         self.pub, self.replay = source.addresses(endpoint)
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._last_stream_seq: int | None = None
@@ -113,11 +120,15 @@ class EndpointSubscriber:
         """The stream's connection dropped (an oversize message, or the worker went): batches may
         be lost with no later one to show the gap, so the set is not believed until a resync."""
         self.on_event(self.endpoint, "disconnect")
+        self.on_load(self.endpoint, None)
         if self.index.synced(self.endpoint):
             self.index.desync(self.endpoint)
             self._next_resync = 0.0  # at once: the worker may well be fine
 
     async def _on_stream(self, frames: list[bytes]) -> None:
+        if len(frames) == 2:
+            self._on_load(frames[1])
+            return
         if len(frames) != 3 or len(frames[1]) != 8:
             self.on_event(self.endpoint, "bad")
             return
@@ -139,6 +150,17 @@ class EndpointSubscriber:
             if not self.index.synced(self.endpoint) or seq <= self.index.state(self.endpoint).seq:
                 return
         self._apply(seq, self._decode(frames[2]))
+
+    def _on_load(self, payload: bytes) -> None:
+        try:
+            load = self._load_decoder.decode(payload)
+        except msgspec.DecodeError:
+            load = None
+        if load is None or load.prefill_tokens < 0:
+            self.on_event(self.endpoint, "bad")
+            return
+        self.on_event(self.endpoint, "load")
+        self.on_load(self.endpoint, load.prefill_tokens)
 
     def _decode(self, payload: bytes) -> KVEventBatch | None:
         try:
@@ -215,8 +237,9 @@ class KVEventSubscriptions:
         index: KVBlockIndex,
         source: KVEventsSource,
         on_event: Callable[[str, str], None] = lambda endpoint, what: None,
+        on_load: Callable[[str, int | None], None] = lambda endpoint, tokens: None,
     ) -> None:
-        self.index, self.source, self.on_event = index, source, on_event
+        self.index, self.source, self.on_event, self.on_load = index, source, on_event, on_load
         self._context = zmq.asyncio.Context()
         self._context.setsockopt(zmq.IPV6, 1)  # a worker's address may be IPv6
         self._tasks: dict[str, asyncio.Task] = {}
@@ -226,7 +249,7 @@ class KVEventSubscriptions:
             self._tasks.pop(gone).cancel()
             self.index.remove(gone)
         for new in endpoints - set(self._tasks):
-            sub = EndpointSubscriber(new, self.index, self.source, self._context, self.on_event)
+            sub = EndpointSubscriber(new, self.index, self.source, self._context, self.on_event, self.on_load)
             self._tasks[new] = asyncio.create_task(sub.run(), name=f"kv-events {new}")
 
     async def close(self) -> None:

@@ -220,7 +220,9 @@ class Pool:
         if kv_events is not None:
             if self.state.kv_index is None:
                 self.state.kv_index = KVBlockIndex()
-            self.subscriptions = KVEventSubscriptions(self.state.kv_index, kv_events, events.kv_event)
+            self.subscriptions = KVEventSubscriptions(
+                self.state.kv_index, kv_events, events.kv_event, self.state.update_load
+            )
         self.flow: FlowControl[PickRequest] = FlowControl(
             self.choose,
             self.release,

@@ -75,6 +75,9 @@ class RouterState:
         self._prefill: dict[tuple[str, int], int] = {}
         # Ours at each endpoint when its last scrape came in: what of its own count was ours.
         self._pending_at_scrape: dict[str, int] = {}
+        # Each endpoint's prefill work ahead as its load messages say (kv_events.py; fresher than
+        # a scrape: sent as it changes), and ours there when the last one came in.
+        self._load: dict[str, tuple[int, int]] = {}
         # The precise index's pending blocks of each (endpoint, request) in flight.
         self._in_flight_blocks: dict[tuple[str, int], list[bytes]] = {}
         self._turn = 0
@@ -89,6 +92,7 @@ class RouterState:
                 self.kv_index.remove(gone)
             self.metrics.pop(gone, None)
             self._pending_at_scrape.pop(gone, None)
+            self._load.pop(gone, None)
         self.endpoints = new
 
     def update_metrics(self, endpoint: str, m: WorkerMetrics) -> None:
@@ -101,11 +105,24 @@ class RouterState:
         self.metrics[endpoint] = m
         self._pending_at_scrape[endpoint] = self.pending_prefill.get(endpoint, 0)
 
+    def update_load(self, endpoint: str, prefill_tokens: int | None) -> None:
+        """The endpoint's own count of its prefill work ahead, from its load message (None: not
+        known any more, its stream dropped: the scrape's count serves again)."""
+        if prefill_tokens is None or endpoint not in self.endpoints:
+            self._load.pop(endpoint, None)
+        else:
+            self._load[endpoint] = (prefill_tokens, self.pending_prefill.get(endpoint, 0))
+
     def prefill_ahead(self, endpoint: str) -> int:
         """The prefill tokens ahead of a new request there: ours not answered yet, plus what the
-        worker's last scrape counted beyond ours then (other router replicas' requests, other
-        clients'; a scrape old, so ours sent since are counted once, by us)."""
+        worker last said beyond ours then (other router replicas' requests, other clients'; said
+        before ours sent since arrived, so those are counted once, by us). What it last said: its
+        load message where it sends them (a step old at most), else its last scrape's gauge (a
+        scrape old; and the gauge is set after a step, so it misses the step running now)."""
         own = self.pending_prefill.get(endpoint, 0)
+        if endpoint in self._load:
+            said, own_then = self._load[endpoint]
+            return own + max(0, said - own_then)
         m = self.metrics.get(endpoint)
         if m is None or m.prefill_pending is None:
             return own

@@ -271,12 +271,14 @@ def download_container(
 # The workers' KV events for the routers' precise index (docs/router.md): every pod on the same
 # two ports, dual-stack (the router connects to each pod's address).
 KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5558
+KV_LOAD_TOPIC = "kvscale.load"  # the worker's load on the same stream, for the prefill guard
 KV_EVENTS_CONFIG = json.dumps(
     {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
         "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}",
+        "load_topic": KV_LOAD_TOPIC,
     },
     separators=(",", ":"),
 )

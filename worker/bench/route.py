@@ -131,6 +131,7 @@ def events_config(host: str) -> str:
             "publisher": "zmq",
             "endpoint": f"tcp://{host}:{EVENTS_PORT}",
             "replay_endpoint": f"tcp://{host}:{REPLAY_PORT}",
+            "load_topic": "kvscale.load",
         }
     )
 
@@ -372,11 +373,15 @@ def run_mode(
         if None not in cpu and None not in cpu_before:
             router_cpu = round(sum(a - b for a, b in zip(cpu, cpu_before, strict=True)), 2)
         after = [scrape(w.base_url) for w in workers]
+        # What the routers' event streams carried (the workers' loads: the guard's fresh backlog).
+        events = [router_kv_events(r.base_url) for r in routers] if precise else []
     finally:
         stop_all([*workers, *routers])
     write_trace(run, log_dir, mode)
     out = summarize(run, before, after, router_cpu)
     out["routers"] = len(routers)
+    if events:
+        out["router_kv_events"] = {k: sum(e.get(k, 0) for e in events) for k in sorted(set().union(*events))}
     if run.agreement:
         out["replica_agreement"] = round(sum(run.agreement) / len(run.agreement), 4)
     if run.agreement_on_cached:
@@ -392,18 +397,25 @@ def run_mode(
     return out
 
 
+def router_kv_events(url: str) -> dict[str, float]:
+    """A router's KV-event stream counts by kind (kvscale_router_kv_events_total: "batch",
+    "synced", "load", ...)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    prefix = 'kvscale_router_kv_events_total{kind="'
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            kind = line[len(prefix) :].split('"', 1)[0]
+            counts[kind] = counts.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def _wait_synced(url: str, workers: int, timeout: float = 60.0) -> None:
     """Until the router's precise index has synced with every worker (its events counter)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        synced = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith('kvscale_router_kv_events_total{kind="synced"}')
-        )
-        if synced >= workers:
+        if router_kv_events(url).get("synced", 0) >= workers:
             return
         time.sleep(0.2)
     raise RuntimeError(f"router {url} did not sync with {workers} workers' KV events in {timeout:.0f}s")
@@ -663,6 +675,7 @@ def _pair_view(summary: dict[str, Any]) -> dict[str, Any]:
         "output_tokens_per_s",
         "errors",
         "replica_agreement_on_cached",
+        "router_kv_events",
     )
     return {k: summary.get(k) for k in keys}
 

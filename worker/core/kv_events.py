@@ -31,6 +31,7 @@ from kvscale.common.kv_events import (  # noqa: F401 (the schema, re-exported)
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    WorkerLoad,
 )
 
 

@@ -62,6 +62,16 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt tokens this step computes (its prefill work)."""
+        return sum(
+            max(0, min(r.num_prompt_tokens, c + n) - c)
+            for r, c, n in zip(
+                self.requests, self.num_computed_tokens, self.num_scheduled_tokens, strict=True
+            )
+        )
+
     def is_empty(self) -> bool:
         return not self.requests
 
@@ -359,9 +369,14 @@ class Scheduler:
             prefix_cache_hits=pc.hits,
             running_lora_adapters=sorted({r.lora_name for r in self.running if r.lora_request is not None}),
             waiting_lora_adapters=sorted({r.lora_name for r in self.waiting if r.lora_request is not None}),
-            num_prefill_tokens=sum(
-                max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                for queue in (self.waiting, self.running)
-                for r in queue
-            ),
+            num_prefill_tokens=self.num_prefill_tokens(),
+        )
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens of the unfinished requests not computed yet (those of a step scheduled
+        and not processed count as computed under async scheduling, not otherwise)."""
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for queue in (self.waiting, self.running)
+            for r in queue
         )

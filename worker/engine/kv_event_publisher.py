@@ -14,6 +14,11 @@ Wire format (vLLM's ZmqEventPublisher):
   number (kept by this thread from the batches it sent, so it is exact at that number). Any
   reader of vLLM's events understands it: it is made of vLLM's own events.
 
+Load (kvscale's, off unless `load_topic` is set): the worker's prefill work ahead
+(common/kv_events.py `WorkerLoad`), as two frames `[load_topic, payload]` on the same PUB socket,
+unnumbered and never replayed (only the latest matters), each time it changes. The router's prefill
+guard reads it: a scrape is up to its interval old, a cold prompt's prefill a few hundred ms.
+
 Budgets: the engine thread never waits on the network. It hands each batch to a queue of at most
 `max_queue_size` batches (a full queue drops the batch and counts it: the subscribers see the gap
 and the replay cannot fill it, so they resync); one thread here encodes and sends. A subscriber
@@ -42,6 +47,7 @@ from kvscale.worker.core.kv_events import (
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
+    WorkerLoad,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    load_topic: str | None = None  # kvscale's: publish WorkerLoad under this topic (None: not)
 
     @classmethod
     def parse(cls, text: str) -> KVEventsConfig:
@@ -78,6 +85,12 @@ class KVEventsConfig:
         config = cls(**raw)
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {config.publisher!r}")
+        if config.load_topic is not None and (
+            not isinstance(config.load_topic, str)
+            or not config.load_topic
+            or config.load_topic == config.topic
+        ):
+            raise ValueError("--kv-events-config: load_topic must be a non-empty string other than topic")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(config, name)
             if not isinstance(value, int) or value < 1:
@@ -96,7 +109,8 @@ class ZmqEventPublisher:
         self.queued = 0  # batches handed to the sending thread (the engine thread's count)
         self.dropped = 0  # batches the full queue refused (the engine thread's count)
         self.published = 0  # batches sent (the sending thread's count)
-        self._queue: queue.Queue[KVEventBatch] = queue.Queue(maxsize=config.max_queue_size)
+        self._last_load: int | None = None  # the engine thread's: the last load queued
+        self._queue: queue.Queue[KVEventBatch | WorkerLoad] = queue.Queue(maxsize=config.max_queue_size)
         self._stop = threading.Event()
         self._context = zmq.Context()
         # Bound here, in the caller's thread, so that a bad or busy endpoint fails the start.
@@ -131,6 +145,17 @@ class ZmqEventPublisher:
         except queue.Full:
             self.dropped += 1
 
+    def publish_load(self, prefill_tokens: int) -> None:
+        """Queue the worker's load if it changed (the engine thread: never blocks; a full queue
+        drops it and the next change says it again)."""
+        if self.config.load_topic is None or prefill_tokens == self._last_load:
+            return
+        try:
+            self._queue.put_nowait(WorkerLoad(time.time(), prefill_tokens))
+            self._last_load = prefill_tokens
+        except queue.Full:
+            pass
+
     def close(self) -> None:
         """Send what is queued (for up to 5 s), then close the sockets."""
         self._stop.set()
@@ -140,6 +165,7 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         topic = self.config.topic.encode()
+        load_topic = (self.config.load_topic or "").encode()
         seq = 0
         while True:
             try:
@@ -149,7 +175,9 @@ class ZmqEventPublisher:
                     return
                 batch = None
             try:
-                if batch is not None:
+                if isinstance(batch, WorkerLoad):
+                    self._pub.send_multipart((load_topic, encoder.encode(batch)), copy=False)
+                elif batch is not None:
                     payload = encoder.encode(batch)
                     number = seq.to_bytes(8, "big")
                     self._pub.send_multipart((topic, number, payload), copy=False)

@@ -437,6 +437,7 @@ class LLMEngine:
             events = self.kv_cache_manager.events.take()
             if events:
                 self.kv_events.publish(events)
+            self._publish_load()
         if self._launched:
             self._launched = False
             self._stats.step_times.append((self.runner.forward_kind, time.perf_counter() - started))
@@ -469,6 +470,7 @@ class LLMEngine:
             # Speculation's look-ahead slots may have indexed blocks too.
             scheduled.new_cached_blocks += self.kv_cache_manager.take_newly_cached()
             launching = True
+            self._publish_load(scheduled)
             launched = self.runner.launch(scheduled)
             self._launched = True
         except Exception as e:
@@ -485,6 +487,16 @@ class LLMEngine:
             return []
         self.num_async_steps += 1
         return self._finish_step(*previous)
+
+    def _publish_load(self, launching: SchedulerOutput | None = None) -> None:
+        """Tell the routers the prefill work ahead here (the publisher sends it only when it
+        changed): the prompt tokens not computed, counting those of a step still running (being
+        launched, or in flight under async scheduling, whose requests count them as computed)."""
+        if self.kv_events is None or self.kv_events.config.load_topic is None:
+            return
+        running = [s for s in (launching, self._in_flight and self._in_flight[0]) if s is not None]
+        in_steps = sum(s.num_prompt_tokens for s in running if s.async_scheduled)
+        self.kv_events.publish_load(self.scheduler.num_prefill_tokens() + in_steps)
 
     def _take_in_flight(self) -> list[RequestOutput]:
         assert self._in_flight is not None
