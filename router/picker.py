@@ -33,8 +33,9 @@ Filter, guard, score, pick:
    router knows what a request would cost each endpoint before its first token: the prompt tokens
    its cache lacks there, behind the prompt tokens of the router's requests already sent there and
    not yet answered (their first byte), less what those found cached, plus what the worker's own
-   count of prompt tokens not computed yet (scraped) held beyond those at its last scrape: the
-   other replicas' requests and other clients' (state.prefill_ahead). An endpoint whose
+   count of prompt tokens not computed yet held beyond those when it last said it (its load
+   message on the KV-event stream, a step old at most; else its scraped gauge): the other
+   replicas' requests and other clients' (state.prefill_ahead). An endpoint whose
    `pending_prefill + prefill_cost` is over `prefill_factor` x the least of them (+ `prefill_slack`
    tokens, so small queues do not flap) takes nothing: a hot prefix's home that has a burst of
    prefills queued spills to a worker that can start sooner even without the cache, which is what
