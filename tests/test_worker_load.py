@@ -170,3 +170,43 @@ async def _subscriber_hands_loads_over() -> None:
 
 def test_the_routers_subscriber_hands_loads_over_and_refuses_bad_ones():
     asyncio.run(_subscriber_hands_loads_over())
+
+
+async def _flood() -> tuple[int, float]:
+    context = zmq.asyncio.Context()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub.setsockopt(zmq.SNDHWM, 0)  # nothing dropped at the sender: the whole flood arrives
+    source = KVEventsSource(
+        pub.bind_to_random_port("tcp://127.0.0.1"),
+        replay.bind_to_random_port("tcp://127.0.0.1"),
+        replay_timeout_s=0.2,
+        retry_s=30.0,
+    )
+    loads: list[int | None] = []
+    sub = EndpointSubscriber(
+        "http://127.0.0.1:1", KVBlockIndex(), source, context, on_load=lambda e, t: loads.append(t)
+    )
+    task = asyncio.create_task(sub.run())
+    await asyncio.sleep(0.5)
+    payload = msgspec.msgpack.encode(WorkerLoad(1.0, 5))
+    for _ in range(20_000):
+        pub.send_multipart([b"kvscale.load", payload])  # queued at once, not awaited
+    loop = asyncio.get_running_loop()
+    last = started = loop.time()
+    worst = 0.0
+    while len(loads) < 20_000 and loop.time() - started < 30:
+        await asyncio.sleep(0.001)
+        worst, last = max(worst, loop.time() - last), loop.time()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    context.destroy(linger=0)
+    return len(loads), worst
+
+
+def test_a_worker_flooding_loads_never_stalls_the_routers_event_loop():
+    """20,000 load messages at once from one worker (a hostile or broken one): the subscriber
+    takes them one at a time, yielding between them, so the router's other tasks (requests,
+    probes) keep running: no gap in the loop over 100 ms (a drain-all loop: the whole flood)."""
+    received, worst = asyncio.run(_flood())
+    assert received == 20_000
+    assert worst < 0.1, f"the event loop stalled {worst * 1000:.0f} ms"
