@@ -82,7 +82,7 @@ def run_peft(model_path: str, adapters: list[Path], workload: Workload, dtype: t
 
 
 def median_pair(pairs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A round's figure: the pair (base run, adapters run, back to back) with the median ratio, and
+    """A round's figure: the pair (a base run and an adapters run, back to back) with the median ratio, and
     every pair's ratio. This VM's speed drifts by up to ~30 % over seconds (docs/benchmarks.md); a
     pair cancels a slow phase covering both runs, the median one covering a single run."""
     ordered = sorted(pairs, key=lambda p: p["lora/base"])
@@ -113,11 +113,18 @@ def run(args) -> dict[str, Any]:
         timed_generate(llm, warm, requests)  # adapters into host memory and slots: not throughput
         timed_generate(llm, warm, [None] * len(requests))
         rounds = []
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             pairs = []
-            for _ in range(args.pairs):
-                base = timed_generate(llm, workload, [None] * args.num_requests)
-                adapted = timed_generate(llm, workload, loras)
+            for i in range(r * args.pairs, (r + 1) * args.pairs):
+                # Every other pair (counted over the rounds) runs the adapters first: a pass's
+                # place in its pair (a VM whose speed drifts, what the pass before left cached)
+                # then favours neither side.
+                if i % 2 == 0:
+                    base = timed_generate(llm, workload, [None] * args.num_requests)
+                    adapted = timed_generate(llm, workload, loras)
+                else:
+                    adapted = timed_generate(llm, workload, loras)
+                    base = timed_generate(llm, workload, [None] * args.num_requests)
                 ratio = adapted["output_tokens_per_s"] / base["output_tokens_per_s"]
                 pairs.append({"base": base, "lora": adapted, "lora/base": round(ratio, 3)})
             rounds.append(median_pair(pairs))
