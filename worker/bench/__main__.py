@@ -16,6 +16,7 @@ from kvscale.worker.bench import (
     lora,
     membw,
     peer,
+    probes,
     route,
     serve,
     spec,
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     spec.add_parser(sub, [common])
     longout.add_parser(sub, [common])
     route.add_parser(sub, [common])
+    probes.add_parser(sub, [common])
     structured.add_parser(sub, [common])
     tp.add_parser(sub, [common])
     broadcast.add_parser(sub, [common])

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from kvscale.worker.bench.prober import Probe
 from kvscale.worker.bench.serve import start_server
 
 HEALTH_P100_GOAL_S = 0.1
@@ -68,61 +68,6 @@ def plain_body() -> dict[str, Any]:
 
 def constrained_body(**constraint: Any) -> dict[str, Any]:
     return {"prompt": "x = ", "max_tokens": 8, "temperature": 0, "structured_outputs": constraint}
-
-
-def _probe(base: str, pid: int, period: float, stop, out) -> None:
-    """The prober's process: its own interpreter, so that the client's event loop (encoding and
-    reading the attack bodies) cannot delay a probe and be blamed on the server."""
-    import urllib.request
-
-    import psutil
-
-    proc = psutil.Process(pid)
-    sent: list[float] = []
-    health: list[float] = []
-    rss: list[int] = []
-    failures: list[str] = []
-    while not stop.is_set():
-        sent.append(time.monotonic())
-        t0 = time.perf_counter()
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=10) as r:
-                r.read()
-                if r.status != 200:
-                    failures.append(f"status {r.status}")
-        except OSError as e:  # a refused or timed-out probe is a failure, counted
-            failures.append(repr(e))
-        health.append(time.perf_counter() - t0)
-        rss.append(proc.memory_info().rss)
-        stop.wait(period)
-    out.put((sent, health, rss, failures))
-
-
-class Probe:
-    """/health every `period` s and the server's RSS, from a process of its own, until stopped.
-    `sent` holds each probe's time.monotonic() (one clock for every process on Linux), so a slow
-    probe can be matched with what the client was sending then."""
-
-    def __init__(self, base: str, pid: int, period: float = 0.02) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._stop, self._out = ctx.Event(), ctx.Queue()
-        self._proc = ctx.Process(target=_probe, args=(base, pid, period, self._stop, self._out), daemon=True)
-        self.sent: list[float] = []
-        self.health: list[float] = []
-        self.rss: list[int] = []
-        self.failures: list[str] = []
-
-    @property
-    def health_failures(self) -> int:
-        return len(self.failures)
-
-    def start(self) -> None:
-        self._proc.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.sent, self.health, self.rss, self.failures = self._out.get(timeout=60)
-        self._proc.join(10)
 
 
 async def post(session, base: str, body: dict[str, Any], timeout: float) -> tuple[int | str, float]:
