@@ -84,12 +84,19 @@ def test_the_engine_says_its_prefill_work_as_a_step_launches_and_ends(target_mod
 
 
 @pytest.mark.parametrize(
-    "load_topic", ['""', '"kv-events"', "7"], ids=["empty", "the KV topic", "not a string"]
+    "load_topic",
+    ['""', '"kv-events"', '"kv-events.load"', "7"],
+    ids=["empty", "the KV topic", "under the KV topic", "not a string"],
 )
 def test_a_load_topic_that_would_mix_with_the_events_is_refused(load_topic):
+    """ZMQ matches topics by prefix: a load topic starting with the KV topic would reach its
+    subscribers (readers of three-frame batches)."""
     text = f'{{"enable_kv_cache_events": true, "topic": "kv-events", "load_topic": {load_topic}}}'
-    with pytest.raises(ValueError, match="load_topic must be a non-empty string other than topic"):
+    with pytest.raises(ValueError, match="load_topic must be a non-empty string, not topic or one starting"):
         KVEventsConfig.parse(text)
+    assert KVEventsConfig.parse(
+        text.replace('"kv-events"', '"kv"', 1).replace(load_topic, '"load"')
+    ).load_topic
 
 
 def test_the_load_overrides_the_scrape_and_counts_other_replicas_work_once():

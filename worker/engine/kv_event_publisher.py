@@ -85,12 +85,16 @@ class KVEventsConfig:
         config = cls(**raw)
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {config.publisher!r}")
+        # ZMQ topics match by prefix: a load topic that starts with the KV topic would reach the
+        # KV topic's subscribers, who read three frames. (An empty KV topic reaches everyone.)
         if config.load_topic is not None and (
             not isinstance(config.load_topic, str)
             or not config.load_topic
-            or config.load_topic == config.topic
+            or (config.topic and config.load_topic.startswith(config.topic))
         ):
-            raise ValueError("--kv-events-config: load_topic must be a non-empty string other than topic")
+            raise ValueError(
+                "--kv-events-config: load_topic must be a non-empty string, not topic or one starting with it"
+            )
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(config, name)
             if not isinstance(value, int) or value < 1:
