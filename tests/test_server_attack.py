@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server_fuzz import UNEXPECTED, check_error, send
 
-from kvscale.worker.bench.hostile import Probe
+from kvscale.worker.bench.prober import Probe
 
 pytestmark = pytest.mark.slow
 
@@ -74,10 +74,11 @@ def attacked(target_model, tmp_path_factory):
         status, metrics = server.get("/metrics")
         log = server.log()
         assert server.stop() == 0, log
-    assert not prober.failures, prober.failures[:5]
+    failures = prober.failures["/health"]
+    assert not failures, failures[:5]
     ordered = sorted(prober.health)
     p50, p99, worst = ordered[len(ordered) // 2], ordered[int(len(ordered) * 0.99)], ordered[-1]
-    slowest = sorted(zip(prober.health, prober.sent, strict=True), reverse=True)[:3]
+    slowest = sorted(zip(prober.health, prober.sent["/health"], strict=True), reverse=True)[:3]
     print(
         f"attack: {len(ordered)} /health probes, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
         f"p100 {worst * 1000:.1f} ms; examples {EXAMPLES}, seed {'random' if RANDOM else 'fixed'}"
