@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -229,3 +230,32 @@ def test_the_private_cache_is_searched_only_when_the_compile_cache_is_read_only(
         [tmp_path / "cache", model_runner.SHIPPED_DIR],
         [blocked / "compiled", private, model_runner.SHIPPED_DIR],
     ]
+
+
+def vector_flags(cwd: Path, private: bool) -> str:
+    """What a fresh process started in `cwd` compiles CPU code with (inductor's vector ISA flags),
+    inside a build's private_inductor_cache or not."""
+    code = (
+        "from kvscale.worker.model.aot_package import cpu_arch_flags, private_inductor_cache\n"
+        + ("with private_inductor_cache():\n    " if private else "")
+        + "print(repr(cpu_arch_flags()))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_a_build_from_the_repository_root_has_vector_code(tmp_path):
+    """Inductor checks the CPU's vector ISA in a child that inherits sys.path; from this repository's
+    root ('' first in it) the repository's `operator/` replaced the standard `operator` module there,
+    the check failed and every package was built without vector code (2x slower steps). A build's
+    private_inductor_cache gives the children a path without such entries."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    assert aot_package.shadows_stdlib(str(repo), frozenset())
+    assert str(repo) not in aot_package.probe_pythonpath().split(os.pathsep)
+    elsewhere = vector_flags(tmp_path, private=False)
+    if elsewhere == repr(""):
+        pytest.skip("this CPU has no vector ISA inductor uses")
+    assert vector_flags(repo, private=True) == elsewhere

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_compile_cache import vector_flags
 from test_engine_vs_hf import assert_greedy_matches, hf_greedy
 
 from kvscale.kernels.kv_cache import write_kv_cache
@@ -108,9 +109,12 @@ def package_cache(target_model, tmp_path_factory) -> Path:
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "compiling graph 3/3" in done.stdout  # its progress, line by line
+    assert "compiling graph 4/4" in done.stdout  # its progress, line by line
     folder = Path(done.stdout.strip().splitlines()[-1].rsplit(" ", 1)[-1])
     assert folder.parent == cache and (folder / KEY_FILE).is_file()
+    # Built from this repository's root (pytest's working directory): with vector code all the same.
+    if vector_flags(cache, private=False) != repr(""):
+        assert json.loads((folder / KEY_FILE).read_text())["cpu_flags"], "a package without vector code"
     return cache
 
 
@@ -185,8 +189,8 @@ def test_every_step_shape_runs_a_compiled_graph(target_model, package_cache):
         ):
             assert_greedy_matches(got, tokens, logits)
     graphs = {g for g, _ in calls}
-    assert graphs == {"decode1", "decoden", "chunk"}
-    assert ("decode1", 1) in calls and ("decoden", 8) in calls
+    assert graphs == {"decode1", "decode_small", "decoden", "chunk"}
+    assert ("decode1", 1) in calls and ("decode_small", 8) in calls and ("decoden", 20) in calls
     assert max(n for g, n in calls if g == "chunk") > 8
     assert forward.eager_fallbacks == 0
 
@@ -201,7 +205,7 @@ def lora_package_cache(target_model, tmp_path_factory) -> Path:
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "compiling graph 5/5 (chunk_lora)" in done.stdout
+    assert "compiling graph 6/6 (chunk_lora)" in done.stdout
     return cache
 
 

@@ -1,19 +1,20 @@
 """The compiled CPU forward as AOTInductor packages: built once per model, loaded by every worker.
 
 `kvscale-worker compile` exports the model's per-token work (`LlamaForCausalLM.forward_tokens`)
-with `torch.export` and compiles it ahead of time with AOTInductor into three packages (`.pt2`),
+with `torch.export` and compiles it ahead of time with AOTInductor into four packages (`.pt2`),
 one per graph (see compilation.py):
 
-- `decode1`: a decode step of one sequence, attention inside the graph (static batch);
-- `decoden`: a decode step of 2+ sequences, attention inside the graph (dynamic batch, context and
-  pool size);
+- `decode1`: a decode step of one sequence, attention and the LM head inside the graph (static
+  batch: its products are reductions, layers/linear.py);
+- `decode_small`: the same for 2 to SMALL_ROWS[1] (8) sequences (its products are `W @ x.T`);
+- `decoden`: the same for more sequences (dynamic batch, context and pool size);
 - `chunk`: everything else (prefill chunks, speculative verification, spread-out decodes), 2+
   tokens, attention as the opaque `kvscale::unified_attention` op;
 - `decode_lora` and `chunk_lora`, in the packages of workers with `--enable-lora` alone (their key
-  says `lora`): `decoden` (from one sequence) and `chunk` again for steps whose rows mix LoRA
-  adapters and the base model, the adapters' products packed (kernels/lora.add_lora_packed) from
-  the window of slot tables the step uses, passed in as inputs, so that neither max_loras nor the
-  rank is built in.
+  says `lora`): `decoden` (from one sequence, the library's products) and `chunk` again for steps
+  whose rows mix LoRA adapters and the base model, the adapters' products packed
+  (kernels/lora.add_lora_packed) from the window of slot tables the step uses, passed in as inputs,
+  so that neither max_loras nor the rank is built in.
 
 The packages hold code, not weights (`package_constants_in_so=False`): a worker hands its own
 parameters to the loaded runners (`user_managed`, no copy), so one package serves every checkpoint
@@ -51,11 +52,13 @@ from pathlib import Path
 
 import torch
 
+from kvscale.worker.model.layers.linear import SMALL_ROWS
+
 logger = logging.getLogger(__name__)
 
 # Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
-FORMAT_VERSION = 1
-GRAPHS = ("decode1", "decoden", "chunk")
+FORMAT_VERSION = 3  # 2: the decode graphs return logits (the LM head inside); 3: decode_small
+GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
 KEY_FILE = "key.json"
 COMPILE_CACHE_ENV = "KVSCALE_COMPILE_CACHE"
@@ -202,12 +205,16 @@ def find_package(key: dict, dirs: list[Path], host_flags: frozenset[str] | None 
 def _wrappers(model) -> dict[str, torch.nn.Module]:
     decode = _Decode(model)
     chunk = _Chunk(model)
-    return {"decode1": decode, "decoden": decode, "chunk": chunk, "decode_lora": decode, "chunk_lora": chunk}
+    return {
+        "decode1": decode, "decode_small": decode, "decoden": decode, "chunk": chunk,
+        "decode_lora": decode, "chunk_lora": chunk,
+    }  # fmt: skip
 
 
 class _Decode(torch.nn.Module):
-    """forward_tokens with attention in the graph, over flat inputs (AOTInductor takes tensors):
-    after the KV caches, for decode_lora, LoRASlotTable.graph_inputs' tensors."""
+    """forward_tokens with attention and the LM head in the graph, over flat inputs (AOTInductor
+    takes tensors): after the KV caches, for decode_lora, LoRASlotTable.graph_inputs' tensors.
+    Returns every row's logits, then each layer's new keys and values."""
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -225,7 +232,7 @@ class _Decode(torch.nn.Module):
             rope=(cos, sin),
             lora=_packed_lora(self.m, lora),
         )
-        return hidden, *(t for pair in new_kv for t in pair)
+        return self.m.compute_logits(hidden), *(t for pair in new_kv for t in pair)
 
 
 def _packed_lora(model, inputs: tuple):
@@ -265,7 +272,7 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
             return (ids, ids.clone(), cos, sin), dims
         lora, lora_dims = _example_lora_inputs(model, dtype, 5, t)
         return (ids, ids.clone(), cos, sin, *lora), (*dims, tuple(lora_dims))  # *lora: one
-    batch = 1 if graph == "decode1" else 3
+    batch = {"decode1": 1, "decoden": SMALL_ROWS[1] + 2}.get(graph, 3)
     blocks = Dim("blocks", min=2)
     pool = Dim("pool", min=2)
     kv = [
@@ -275,7 +282,12 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
     tables = torch.zeros(batch, 3, dtype=torch.long)
     lens = torch.ones(batch, dtype=torch.long)
     # decode_lora takes a single sequence too (one stream on an adapter): batch from 1.
-    b = None if batch == 1 else Dim("batch", min=1 if graph == "decode_lora" else 2)
+    b = {
+        "decode1": None,
+        "decode_small": Dim("batch", min=2, max=SMALL_ROWS[1]),
+        "decoden": Dim("batch", min=SMALL_ROWS[1] + 1),
+        "decode_lora": Dim("batch", min=1),
+    }[graph]
     per_seq = {} if b is None else {0: b}
     dims = (per_seq, per_seq, {0: rope_dim}, {0: rope_dim}, {**per_seq, 1: blocks}, per_seq)
     rest, rest_dims = kv, [{1: pool} for _ in kv]
@@ -451,6 +463,35 @@ def build_for_model(
         return build_package(model, dtype, block_size, cache_dir, progress, replace=force, lora=lora), True
 
 
+def shadows_stdlib(entry: str, stdlib_dirs: frozenset[str]) -> bool:
+    """Whether sys.path entry `entry` ('' is the working directory) holds a package named as a
+    standard-library module, outside the standard library's own folders."""
+    folder = os.path.realpath(entry or os.getcwd())
+    if folder in stdlib_dirs:
+        return False
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(
+        n in sys.stdlib_module_names and os.path.isfile(os.path.join(folder, n, "__init__.py")) for n in names
+    )
+
+
+def probe_pythonpath() -> str:
+    """The PYTHONPATH for inductor's child processes: torch's folder and this process' sys.path, as
+    inductor builds it, less the entries that shadow the standard library. From this repository's
+    root (the tests, the benchmarks, a fresh clone's `generate`) its `operator/` folder took the
+    place of the standard `operator` module in the child that checks the CPU's vector ISA, which
+    then failed: the package was built without vector code (2x slower a step, measured)."""
+    import sysconfig
+
+    folders = (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), os.path.dirname(os.__file__))
+    stdlib = frozenset(os.path.realpath(p) for p in folders if p)
+    torch_root = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    return os.pathsep.join(p for p in (torch_root, *sys.path) if not shadows_stdlib(p, stdlib))
+
+
 @contextlib.contextmanager
 def private_inductor_cache():
     """Inductor's intermediate files (generated C++, kernels, their metadata) for this build alone,
@@ -459,18 +500,20 @@ def private_inductor_cache():
     another build's half-written file (see build_lock). The package is the cache that matters."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    base = before or default_cache_dir()
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TORCH_CUSTOM_PYTHONPATH")}
+    base = saved["TORCHINDUCTOR_CACHE_DIR"] or default_cache_dir()
     os.makedirs(base, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="kvscale-build-", dir=base)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch  # read by inductor at each use
+    os.environ.setdefault("TORCH_CUSTOM_PYTHONPATH", probe_pythonpath())
     try:
         yield scratch
     finally:
-        if before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(scratch, ignore_errors=True)
 
 

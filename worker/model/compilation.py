@@ -11,10 +11,11 @@ token: the steady state) go further: attention runs inside the graph too
 which inductor turns into one loop nest per layer reading the paged cache in place), with no Python
 between layers, and the step's keys and values are cached after it. It computes every sequence
 over the longest one's blocks, so a step whose lengths spread too far (`forward_batch.in_graph_decode`)
-keeps the backend's length buckets. Three graphs cover every step (aot_package.py builds them):
+keeps the backend's length buckets. Four graphs cover every step (aot_package.py builds them):
 
-- decode-only with attention in the graph: 1 token (one stream, static shapes), and 2 or more
-  (dynamic batch, context length and pool size);
+- decode-only with attention and the LM head in the graph: 1 token (one stream, static shapes),
+  2 to 8, and 9 or more (dynamic batch, context length and pool size). Each has the products that
+  are fastest for its rows on a CPU (layers/linear.py);
 - everything else (prefill chunks, speculative verification, decodes of spread-out lengths):
   2 or more tokens, dynamic.
 
@@ -47,6 +48,7 @@ import shutil
 import torch
 
 from kvscale.worker.model.aot_package import LORA_GRAPHS
+from kvscale.worker.model.layers.linear import SMALL_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +106,18 @@ def compile_decision(
     return cache_dir_problem(cache_dir)
 
 
+def decode_graph(num_seqs: int) -> str:
+    """The base-model graph of a decode-only step of num_seqs sequences."""
+    if num_seqs == 1:
+        return "decode1"
+    return "decode_small" if num_seqs <= SMALL_ROWS[1] else "decoden"
+
+
 class CompiledForward:
     """`forward_tokens(input_ids, positions, decode)` through a package's AOTInductor runners
-    (aot_package.load_package); the model's rotary tables are passed in on every call."""
+    (aot_package.load_package); the model's rotary tables are passed in on every call. With
+    `decode`, what comes back is every row's logits (the LM head runs inside the decode graphs),
+    not hidden states."""
 
     def __init__(self, model, runners: dict) -> None:
         self.model = model
@@ -137,7 +148,7 @@ class CompiledForward:
                 self.lora_steps += 1
                 out = self.runners["decode_lora"].boxed_run(inputs + lora)
             else:
-                out = self.runners["decode1" if n == 1 else "decoden"].boxed_run(inputs)
+                out = self.runners[decode_graph(n)].boxed_run(inputs)
             return out[0], [(out[i], out[i + 1]) for i in range(1, len(out), 2)]
         if lora is not None:
             self.lora_steps += 1

@@ -167,7 +167,7 @@ def forward_logits(
         tables = common.block_tables
         if tables.shape[1] < 2:
             tables = torch.cat([tables, tables], dim=1)  # the padding is masked (past seq_len)
-        hidden = model.forward_decode(
+        logits = model.forward_decode(
             batch.input_ids,
             batch.positions,
             kv_caches,
@@ -176,7 +176,8 @@ def forward_logits(
             common.slot_mapping,
             compiled,
             lora,
-        )
+        )  # the LM head ran inside the graph, on every row
+        return logits if batch.all_rows_in_order(num_logits) else logits[batch.last_token_rows(num_logits)]
     else:
         hidden = model(
             batch.input_ids, batch.positions, kv_caches, backend, backend.prepare(common), lora_inputs=lora

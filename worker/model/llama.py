@@ -293,15 +293,16 @@ class LlamaForCausalLM(nn.Module):
         compiled=None,
         lora: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """A decode-only step through the compiled graph with attention inside it; the step's keys
-        and values are written to the cache after it (model/compilation.py). `compiled`: the
-        compiled forward the caller chose for the step (default: the model's); `lora`: the step's
-        adapter rows as the LoRA graphs take them (LoRASlotTable.graph_inputs)."""
+        """Every row's logits of a decode-only step through the compiled graph, with attention
+        and the LM head inside it; the step's keys and values are written to the cache after it
+        (model/compilation.py). `compiled`: the compiled forward the caller chose for the step
+        (default: the model's); `lora`: the step's adapter rows as the LoRA graphs take them
+        (LoRASlotTable.graph_inputs)."""
         decode = DecodeInputs(block_tables, seq_lens, kv_caches)
-        hidden, new_kv = (compiled or self.compiled)(input_ids, positions, decode, lora)
+        logits, new_kv = (compiled or self.compiled)(input_ids, positions, decode, lora)
         for (k_cache, v_cache), (k, v) in zip(kv_caches, new_kv, strict=True):
             write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return hidden
+        return logits
 
     def forward_tokens(
         self,

@@ -1,35 +1,60 @@
-"""nn.Linear with a faster CPU path for a few rows.
+"""nn.Linear with faster CPU paths for a few rows.
 
-Speculative verification, small decode batches and short prefill chunks multiply a handful of
-activation rows (2..8) by a large weight. On the CPU, `x @ W.T` for such shapes runs a GEMM kernel
-that streams the weight at about half the speed of the same product computed as `W @ x.T` (the
-weight as the long operand): measured 1.5-3x faster for this project's expanding projections
-(qkv, gate/up, lm_head: out >= in), single-threaded, weights cold in cache (docs/benchmarks.md).
-Contracting projections (out < in), small (cache-resident) weights and other row counts keep the
-library's own choice, as does every non-CPU device and the compiled CPU forward (there F.linear
-was faster at 2..8 rows: 401 against 362 tokens/s at 8 streams, and the graph needs no 2..8 split).
+On the CPU the BLAS GEMM (`x @ W.T`) multiplies a handful of activation rows by a large weight
+streaming it far below the machine's read bandwidth. Measured on this project's 2-core VM, a
+2048x384 float32 weight cold in cache: 9.6 GB/s at 1 row, 5.8 at 2, 8.5 at 8 (docs/benchmarks.md,
+"One-stream decode at the memory limit"). So, for large weights (not cache-resident):
+
+- **one row, compiled** (the one-stream decode graph, whose batch of 1 is static): the product as
+  `(W * x).sum(-1)`, which inductor turns into one vectorised, threaded reduction (31 GB/s). Eagerly
+  the same expression would materialise a W-sized product: the library's kernel stays.
+- **2..8 rows** (speculative verification, small decode batches, short chunks; eagerly, and in the
+  compiled decode graph of 2..8 sequences, whose batch is bounded by 8): `W @ x.T`, the weight as
+  the long operand (37 GB/s at 2 rows, 16 at 8), for expanding projections (out >= in: qkv,
+  gate/up, lm_head). Contracting ones keep the library's choice.
+- everything else, including the graphs whose batch is unbounded (at 32-64 rows `W @ x.T` won in
+  isolation but lost inside the decode graph: 27 against 24 ms a step at 64 sequences), and every
+  non-CPU device: `F.linear`.
+
+In a graph, the row count is a symbol: a path is taken only where it is provable from the graph's
+bounds (`statically_known_true`), so choosing one never adds a guard the export would refuse.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 SMALL_ROWS = (2, 8)
 MIN_WEIGHT_ELEMENTS = 1 << 18  # smaller weights stay in cache, where the library's kernel is fine
 
 
+def product_kind(rows, compiling: bool, out_features: int, in_features: int, numel: int) -> str:
+    """How a CPU Linear multiplies `rows` rows (an int, or a graph's symbol): "reduce" (W * x summed),
+    "weight_first" (W @ x.T) or "library" (F.linear). Pure: no guard is added on a symbol. Eagerly
+    a weight under MIN_WEIGHT_ELEMENTS keeps the library's kernel (it stays in cache between calls);
+    inside a graph every weight streams from memory once a step, and all take the faster form."""
+    if compiling and statically_known_true(rows == 1):
+        return "reduce"
+    small = statically_known_true(rows >= SMALL_ROWS[0]) and statically_known_true(rows <= SMALL_ROWS[1])
+    if small and out_features >= in_features and (compiling or numel >= MIN_WEIGHT_ELEMENTS):
+        return "weight_first"
+    return "library"
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if (
-            not torch.compiler.is_compiling()  # compiled, F.linear measured faster (docs/engine.md)
-            and x.device.type == "cpu"
-            and SMALL_ROWS[0] <= rows <= SMALL_ROWS[1]
-            and x.dim() == 2
-            and self.out_features >= self.in_features
-            and self.weight.numel() >= MIN_WEIGHT_ELEMENTS
-        ):
+        kind = "library"
+        if x.device.type == "cpu" and x.dim() == 2:
+            kind = product_kind(
+                x.shape[0], torch.compiler.is_compiling(), self.out_features, self.in_features,
+                self.weight.numel(),
+            )  # fmt: skip
+        if kind == "library":
+            return nn.functional.linear(x, self.weight, self.bias)
+        if kind == "reduce":
+            out = (self.weight * x).sum(-1)[None]
+        else:
             out = torch.mm(self.weight, x.T).T.contiguous()
-            return out if self.bias is None else out + self.bias
-        return nn.functional.linear(x, self.weight, self.bias)
+        return out if self.bias is None else out + self.bias
