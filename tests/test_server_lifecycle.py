@@ -234,9 +234,10 @@ async def poll_status(session, url: str, status: int, timeout: float = 5) -> dic
         await asyncio.sleep(0.05)
 
 
-def test_sigterm_drains_in_flight_streams(target_model, tmp_path):
+@pytest.mark.parametrize("engine", [(), ("--engine-process",)], ids=["engine-thread", "engine-process"])
+def test_sigterm_drains_in_flight_streams(target_model, tmp_path, engine):
     drain_timeout, num_requests, max_tokens = 30, 8, 200
-    server = start_server(target_model, tmp_path, *SMALL_POOL, "--drain-timeout", str(drain_timeout))
+    server = start_server(target_model, tmp_path, *SMALL_POOL, "--drain-timeout", str(drain_timeout), *engine)
     try:
 
         async def scenario() -> tuple[list[Stream], float]:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from process_fixtures import descendants, wait_gone
 from server_fixtures import free_port, start_server
 
@@ -81,9 +82,17 @@ def test_two_hosts_match_tp1_and_a_killed_follower_rank_ends_both(target_model, 
         leader.stop()
 
 
-def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, shm_before):
+# Rank 0 in the server's thread, or in its engine process (engine/core_proc.py): the ranks are then
+# the engine process's children, and a dead rank ends it, then the server.
+ENGINE = pytest.mark.parametrize(
+    "engine", [(), ("--engine-process",)], ids=["engine-thread", "engine-process"]
+)
+
+
+@ENGINE
+def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, shm_before, engine):
     server = start_server(target_model, tmp_path, *FLAGS, "--tensor-parallel-size", "2",
-                          "--master-port", str(free_port()))  # fmt: skip
+                          "--master-port", str(free_port()), *engine)  # fmt: skip
     try:
         pids = {server.proc.pid} | descendants(server.proc.pid)
         (rank1,) = rank_pids(server.proc.pid)
@@ -118,9 +127,10 @@ def test_killed_rank_fails_health_and_the_worker_exits(target_model, tmp_path, s
         server.stop()
 
 
-def test_sigterm_stops_every_rank_and_exits_0(target_model, tmp_path, shm_before):
+@ENGINE
+def test_sigterm_stops_every_rank_and_exits_0(target_model, tmp_path, shm_before, engine):
     server = start_server(target_model, tmp_path, *FLAGS, "--tensor-parallel-size", "2",
-                          "--master-port", str(free_port()))  # fmt: skip
+                          "--master-port", str(free_port()), *engine)  # fmt: skip
     try:
         pids = {server.proc.pid} | descendants(server.proc.pid)
         assert len(rank_pids(server.proc.pid)) == 1

@@ -123,13 +123,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvscale.worker.server.api_server import ServerConfig, serve
-    from kvscale.worker.server.lora_serving import LoRAServingConfig, parse_lora_modules
-
     args.model = resolve_model(args.model)
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.node_rank > 0:
         return serve_follower_node(args, engine_args)
+    engine = None
+    if engine_args.engine_process:  # first: it loads the model while this process imports the server
+        from kvscale.worker.engine.core_launch import EngineProcess
+
+        engine = EngineProcess.spawn(engine_args)
+    from kvscale.worker.server.api_server import ServerConfig, serve
+    from kvscale.worker.server.lora_serving import LoRAServingConfig, parse_lora_modules
+
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -146,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             runtime_updating=args.enable_lora_runtime_updating,
         ),
     )
-    return asyncio.run(serve(engine_args, config))
+    return asyncio.run(serve(engine_args, config, engine))
 
 
 def cmd_download(args: argparse.Namespace) -> int:

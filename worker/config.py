@@ -54,6 +54,9 @@ class EngineArgs:
     # work hides behind the device's (vLLM's --async-scheduling; docs/engine.md). For GPUs: on a
     # CPU the forward holds the cores itself and nothing overlaps.
     async_scheduling: bool = False
+    # Run the engine (scheduler, forward, sampler, detokenizer) in a process of its own, the server's
+    # HTTP side in this one (vLLM V1's engine core; engine/core_proc.py, docs/engine.md).
+    engine_process: bool = False
     # Structured outputs (docs/server.md, Limits): grammar-compile threads (each client may hold half
     # of them), and the byte budget of the compiled-grammar cache.
     grammar_compile_workers: int = 2

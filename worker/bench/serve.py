@@ -28,6 +28,7 @@ import asyncio
 import gc
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -126,12 +127,21 @@ class ServerProcess:
         raise TimeoutError(f"the server was not ready after {timeout}s:\n{self.log_tail()}")
 
     def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the server process, all threads (Linux /proc; None elsewhere)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time of the server process and the processes under it (the engine
+        process, ranks), all threads (Linux /proc; None elsewhere)."""
+        ticks, todo, seen = 0, [self.proc.pid], set()
+        while todo:
+            pid = todo.pop()
+            seen.add(pid)
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                ticks += int(fields[11]) + int(fields[12])
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    todo += [int(c) for c in (task / "children").read_text().split() if int(c) not in seen]
+            except OSError:
+                if pid == self.proc.pid:
+                    return None
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -255,28 +265,54 @@ async def _stream_one(session, url: str, prompt: list[int], max_tokens: int) -> 
     return result
 
 
+PROBE_PATHS = ("/health", "/metrics")
+PROBE_INTERVAL = 0.05  # seconds between two probes of one path
+
+
+async def _probe(session, base_url: str, path: str, latencies: list[float]) -> None:
+    """GET `path` every PROBE_INTERVAL s until cancelled, as a kubelet or Prometheus would."""
+    while True:
+        start = time.perf_counter()
+        async with session.get(base_url + path) as resp:
+            await resp.read()
+        latencies.append(time.perf_counter() - start)
+        await asyncio.sleep(PROBE_INTERVAL)
+
+
 async def run_level(
-    base_url: str, workload: Workload, concurrency: int, force_close: bool = False
+    base_url: str, workload: Workload, concurrency: int, force_close: bool = False, probe: bool = False
 ) -> dict[str, Any]:
     """All requests of the workload, in order, at most `concurrency` in flight. `force_close`: a
-    connection per request (llama-server closes some reused keep-alive connections after a stream)."""
+    connection per request (llama-server closes some reused keep-alive connections after a stream).
+    `probe`: /health and /metrics are polled meanwhile (their latencies in `probe_ms`)."""
     import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=0, force_close=force_close)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    probes: dict[str, list[float]] = {path: [] for path in PROBE_PATHS} if probe else {}
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(prompt: list[int], n: int) -> RequestResult:
             async with limit:
                 return await _stream_one(session, base_url, prompt, n)
 
+        probers = [asyncio.create_task(_probe(session, base_url, p, v)) for p, v in probes.items()]
         start = time.perf_counter()
         results = await asyncio.gather(
             *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
         )
         wall = time.perf_counter() - start
-    return summarize(results, wall, concurrency)
+        for task in probers:
+            task.cancel()
+        await asyncio.gather(*probers, return_exceptions=True)
+    level = summarize(results, wall, concurrency)
+    if probes:
+        level["probe_ms"] = {
+            path: {**_ms_percentiles(v), "max": round(max(v) * 1000.0, 2) if v else None, "n": len(v)}
+            for path, v in probes.items()
+        }
+    return level
 
 
 def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
@@ -321,14 +357,18 @@ async def _warm_up(base_url: str) -> None:
 
 
 def measure_level(
-    server: ServerProcess, workload: Workload, concurrency: int, force_close: bool = False
+    server: ServerProcess,
+    workload: Workload,
+    concurrency: int,
+    force_close: bool = False,
+    probe: bool = False,
 ) -> dict[str, Any]:
     """Warm-up, the workload at `concurrency` (run_level's figures plus the CPU seconds client and
     server used), then the server stopped: each level gets a fresh server from its caller."""
     try:
         asyncio.run(_warm_up(server.base_url))
         server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
-        level = asyncio.run(run_level(server.base_url, workload, concurrency, force_close))
+        level = asyncio.run(run_level(server.base_url, workload, concurrency, force_close, probe))
         # Where the cores went during the level: both processes share the same machine.
         level["client_cpu_s"] = round(time.process_time() - client_cpu, 2)
         level["server_startup_s"] = round(server.startup_s or 0.0, 2)
@@ -364,7 +404,7 @@ def server_flags(args, max_num_seqs: int) -> list[str]:
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    return flags
+    return flags + shlex.split(getattr(args, "server_flags", None) or "")
 
 
 def describe_workload(workload: Workload, seed: int) -> dict[str, Any]:
@@ -431,7 +471,7 @@ def run(args) -> dict[str, Any]:
     def http_level(c: int, tag: str) -> dict[str, Any]:
         profile = str(log_dir / f"profile-{tag}") if args.profile_server else None
         server = start_server(args.model, flags, log_dir / f"server-{tag}.log", profile)
-        return measure_level(server, workload, c)
+        return measure_level(server, workload, c, probe=True)
 
     # A fresh server per level: none reuses the prefix cache another one filled.
     http: dict[str, Any] = {str(c): http_level(c, f"c{c}") for c in levels}
@@ -505,6 +545,11 @@ def add_parser(sub, parents: list) -> None:
         "--ratio-rounds", type=int, default=3, help="alternating offline / HTTP rounds for the median ratio"
     )
     p.add_argument("--server-log-dir", default=None, help="where server logs go (default: a temp dir)")
+    p.add_argument(
+        "--server-flags",
+        default="",
+        help="more `kvscale-worker serve` flags, one string (e.g. '--engine-process')",
+    )
     p.add_argument(
         "--profile-server",
         action="store_true",

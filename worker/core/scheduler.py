@@ -23,6 +23,12 @@ from kvscale.worker.sample.logprobs import TokenLogprobs
 logger = logging.getLogger(__name__)
 
 
+def default_max_tokens(max_model_len: int, pool_tokens: int, prompt_len: int) -> int:
+    """max_tokens for a request that sets none: up to the model length clipped to what the whole KV
+    pool holds (`pool_tokens`), never 0 (the prompt alone is refused at admission)."""
+    return max(1, min(max_model_len, pool_tokens) - prompt_len)
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -97,7 +103,7 @@ class Scheduler:
         if requested is not None:
             return requested
         pool = self.kv.num_blocks * self.kv.block_size
-        return max(1, min(self.config.max_model_len, pool) - prompt_len)
+        return default_max_tokens(self.config.max_model_len, pool, prompt_len)
 
     def final_length(self, request: Request) -> int:
         """The most tokens the request can come to hold: prompt + max_tokens, within the model length."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.engine.engine_info import EngineInfo
 from kvscale.worker.engine.llm_engine import LLMEngine
 from kvscale.worker.engine.outputs import RequestOutput, RequestOutputAccumulator, add_delta
 from kvscale.worker.lora.request import LoRARequest
@@ -70,6 +71,7 @@ class AsyncLLM:
         self.args = args
         self.metrics = metrics or EngineMetrics(model_name)
         self.engine: LLMEngine | None = None
+        self.info: EngineInfo | None = None  # the loaded engine's limits (set with `engine`)
         # Set by the engine thread once the engine and its warm-up are done (`engine` is set before
         # the grammar tables are built): until then the server says "loading".
         self._loaded = False
@@ -113,6 +115,7 @@ class AsyncLLM:
             name_native_thread(ENGINE_THREAD)
             try:
                 self.engine = LLMEngine(self.args)
+                self.info = EngineInfo.of(self.engine)
                 # The grammar library's vocabulary tables, before Ready: built by the first
                 # constrained request, they held the GIL (and so the event loop) for ~100 ms.
                 with contextlib.suppress(ValueError):  # no xgrammar: constraints are refused later
@@ -144,6 +147,27 @@ class AsyncLLM:
     @property
     def is_ready(self) -> bool:
         return self._loaded and self.dead is None
+
+    # -- what the server asks of the engine besides requests ------------------------------------
+    @property
+    def tokenizer(self):
+        assert self.engine is not None
+        return self.engine.tokenizer
+
+    async def add_lora(self, lora_request: LoRARequest, allowed_roots: list[str] | None) -> str:
+        """Read and check an adapter (LLMEngine.add_lora, off the event loop); its weights' digest.
+        ValueError says why it will not be served."""
+        assert self.engine is not None
+        loop = asyncio.get_running_loop()
+        adapter = await loop.run_in_executor(None, self.engine.add_lora, lora_request, allowed_roots)
+        return adapter.digest
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already running on it finish on it."""
+        assert self.engine is not None
+        removed = self.engine.remove_lora(lora_int_id)
+        self.publish_metrics_soon()  # no longer resident for the router, even while idle
+        return removed
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; give up after `timeout` s (a stuck thread never stops, and a
@@ -206,9 +230,36 @@ class AsyncLLM:
         in the default executor: nothing client-shaped is parsed on the event loop."""
         if self.dead is not None:
             raise EngineDeadError("the engine loop has failed") from self.dead
-        assert self.engine is not None
         if params.structured_outputs is not None and grammar is None:
             grammar = await self.prepare_grammar(params)
+        stream = await self._submit(prompt, params, request_id, grammar, lora_request)
+        finished = False
+        try:
+            while not finished:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                pending, stream.pending = stream.pending, None
+                assert pending is not None
+                out = pending if isinstance(pending, RequestOutput) else pending.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def _submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        grammar: GrammarHandle | None,
+        lora_request: LoRARequest | None,
+    ) -> _Stream:
+        """Make the request and queue it for the engine thread; its stream is registered."""
+        assert self.engine is not None
         engine = self.engine
         # Counted as waiting while it is made, so that the admission check of a request arriving
         # meanwhile sees it (the server's check and this add are not one step any more).
@@ -229,22 +280,7 @@ class AsyncLLM:
         self._added_at.append((self._num_submitted, time.monotonic()))
         self._commands.put(("add", parent))
         self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                await stream.event.wait()
-                stream.event.clear()
-                if stream.error is not None:
-                    raise stream.error
-                pending, stream.pending = stream.pending, None
-                assert pending is not None
-                out = pending if isinstance(pending, RequestOutput) else pending.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
 
     async def prepare_grammar(self, params: SamplingParams, client: Hashable = None) -> GrammarHandle:
         """The constraint checked and compiled (or taken from the cache) before the request is

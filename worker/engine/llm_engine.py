@@ -204,6 +204,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._launched = False  # the current step() launched a forward (it is timed)
         self.num_async_steps = 0
+        self._seen_async_steps = 0  # num_async_steps at the last take_stats
         # Made with the first constrained request (the grammar library reads the whole vocabulary).
         self._structured_output: StructuredOutputManager | None = None
         self._structured_output_lock = threading.Lock()
@@ -692,6 +693,8 @@ class LLMEngine:
         stats, self._stats = self._stats, IterationStats()
         sched, pc = self.scheduler, self.kv_cache_manager.prefix_cache_stats
         stats.num_preemptions = sched.num_preemptions - self._seen_preemptions
+        stats.num_async_steps = self.num_async_steps - self._seen_async_steps
+        self._seen_async_steps = self.num_async_steps
         stats.prefix_cache_queries = pc.queries - self._seen_prefix[0]
         stats.prefix_cache_hits = pc.hits - self._seen_prefix[1]
         if self._structured_output is not None:

@@ -190,6 +190,11 @@ class EngineMetrics:
             "Accepted proposed tokens by position in the proposal.",
             extra_labels=("position",),
         )
+        self.async_steps = twin(
+            Counter,
+            ["kvscale_async_scheduled_steps"],
+            "Steps launched before the previous step's tokens reached the host (--async-scheduling).",
+        )
         self.rejected = twin(
             Counter,
             ["kvscale_requests_rejected"],
@@ -403,6 +408,7 @@ class EngineMetrics:
             if f.queue_time is not None:
                 self.queue_time.observe_all([f.queue_time])
         self.spec_drafts.inc(it.num_drafts)
+        self.async_steps.inc(it.num_async_steps)
         self.spec_draft_tokens.inc(it.num_draft_tokens)
         self.spec_accepted_tokens.inc(it.num_accepted_tokens)
         self.structured_requests.inc(it.num_structured_requests)

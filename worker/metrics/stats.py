@@ -35,6 +35,8 @@ class IterationStats:
     # Structured outputs: constrained requests queued, seconds per grammar compile (each compile,
     # not each request: the cache serves the rest), seconds per step filling and applying masks.
     num_structured_requests: int = 0
+    # Async scheduling: steps launched while the previous one's tokens had not reached the host.
+    num_async_steps: int = 0
     grammar_compile_times: list[float] = field(default_factory=list)
     grammar_mask_times: list[float] = field(default_factory=list)
     # Seconds of each step (schedule to outputs), with the forward it ran: "eager" while the compiled

@@ -28,6 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvscale.common.request_body import MAX_BODY_BYTES
 from kvscale.worker.config import EngineArgs
 from kvscale.worker.engine.async_llm import AsyncLLM
+from kvscale.worker.engine.core_client import MPAsyncLLM, make_async_llm
+from kvscale.worker.engine.core_launch import EngineProcess
 from kvscale.worker.executor.launcher import group_failure, on_group_failure
 from kvscale.worker.server.loop_watchdog import LoopWatchdog
 from kvscale.worker.server.lora_serving import LoRAServing, LoRAServingConfig
@@ -196,14 +198,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state: ServerState = request.app["state"]
-    engine = state.llm.engine
+    info = state.llm.info
     card = {
         "id": state.model_name,
         "object": "model",
         "created": int(state.started),
         "owned_by": "kvscale",
         "root": state.serving.config.model_path,
-        "max_model_len": engine.max_model_len if engine is not None else None,
+        "max_model_len": info.max_model_len if info is not None else None,
     }
     adapters = state.lora.cards(card) if state.lora is not None else []
     return web.json_response({"object": "list", "data": [card, *adapters]})
@@ -227,7 +229,7 @@ def tokenizer_files(tokenizer) -> dict[str, str]:
 async def tokenizer(request: web.Request) -> web.Response:
     """GET /v1/kvscale/tokenizer: {"model": served name, "files": {name: base64}} (made once)."""
     state: ServerState = request.app["state"]
-    if state.llm.engine is None:
+    if state.llm.info is None:
         raise APIError(503, "the model is still loading", code="loading")
     if state.tokenizer_json is None:
         files = await asyncio.get_running_loop().run_in_executor(
@@ -273,19 +275,23 @@ def build_app(llm: AsyncLLM, engine_args: EngineArgs, config: ServerConfig) -> w
 FAILURE_EXIT_DELAY = 1.0
 
 
-def exit_soon(reason: str) -> None:
-    """A tensor-parallel rank died: exit 1 shortly, whatever the engine thread is blocked in (the
-    monitor has already killed this host's other ranks; a collective with a dead peer may not return)."""
-    logger.error("exiting: tensor-parallel group broken", extra={"reason": reason})
+def exit_soon(reason: str, cause: str = "tensor-parallel group broken") -> None:
+    """A tensor-parallel rank or the engine process died: exit 1 shortly, whatever the engine
+    thread is blocked in (the monitor has already killed this host's other ranks; a collective with
+    a dead peer may not return). Until then /health answers 500."""
+    logger.error("exiting: %s", cause, extra={"reason": reason})
     threading.Timer(FAILURE_EXIT_DELAY, os._exit, (1,)).start()
 
 
-async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain and return the exit code."""
+async def serve(engine_args: EngineArgs, config: ServerConfig, engine: EngineProcess | None = None) -> int:
+    """Run until SIGTERM/SIGINT, then drain and return the exit code. `engine`: the engine
+    process, when the caller started it already (--engine-process)."""
     model_name = config.served_model_name or engine_args.model
     if engine_args.tensor_parallel_size > 1:
         on_group_failure(exit_soon)
-    llm = AsyncLLM(engine_args, model_name)
+    llm = make_async_llm(engine_args, model_name, engine)
+    if isinstance(llm, MPAsyncLLM):
+        llm.on_dead = lambda: exit_soon(str(llm.dead), "the engine process died")
     app = build_app(llm, engine_args, config)
     state: ServerState = app["state"]
     state.starting = True
@@ -332,12 +338,13 @@ async def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
         # /health p100).
         freeze_startup_heap()
         state.starting = False
-        compile_s = llm.engine.runner.compile_seconds
+        assert llm.info is not None
+        compile_s = llm.info.compile_seconds
         logger.info(
             "ready",
             extra={
                 "model": model_name,
-                "kv_blocks": llm.engine.kv_cache_manager.num_blocks,
+                "kv_blocks": llm.info.num_kv_blocks,
                 # Seconds loading a compiled package before Ready (None: Ready on the eager forward,
                 # the compiled one built behind: model/compile_behind.py).
                 "compile_s": None if compile_s is None else round(compile_s, 1),

@@ -125,14 +125,11 @@ class LoRAServing:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
             if len(self.adapters) >= MAX_ADAPTERS:
                 raise ValueError(f"this server already has {MAX_ADAPTERS} adapters; unload one first")
-            engine = self.llm.engine
-            assert engine is not None
             request = LoRARequest(name, self._next_id, path)
             self._next_id += 1
-            loop = asyncio.get_running_loop()
-            adapter = await loop.run_in_executor(None, engine.add_lora, request, allowed_roots)
+            digest = await self.llm.add_lora(request, allowed_roots)
             self.adapters[name] = request
-            self.digests[name] = adapter.digest
+            self.digests[name] = digest
             self.created[name] = int(time.time())
             self.llm.metrics.set_served_adapters(self.digests)
             return request
@@ -144,11 +141,8 @@ class LoRAServing:
                 raise KeyError(name)
             self.created.pop(name, None)
             self.digests.pop(name, None)
-            engine = self.llm.engine
-            assert engine is not None
-            engine.remove_lora(request.lora_int_id)  # requests already running on it finish on it
+            await self.llm.remove_lora(request.lora_int_id)  # requests running on it finish on it
             self.llm.metrics.set_served_adapters(self.digests)
-            self.llm.publish_metrics_soon()  # no longer resident for the router, even while idle
 
     async def load_modules(self) -> None:
         """--lora-modules, at start-up (a bad one fails the start, with its reason)."""

@@ -206,13 +206,12 @@ class OpenAIServing:
 
     @property
     def tokenizer(self):
-        assert self.llm.engine is not None
-        return self.llm.engine.tokenizer
+        return self.llm.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        assert self.llm.engine is not None
-        return self.llm.engine.max_model_len
+        assert self.llm.info is not None
+        return self.llm.info.max_model_len
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -278,7 +277,8 @@ class OpenAIServing:
             )
         if max_tokens is None:
             # The engine's default, the one the request would get offline (Scheduler.max_tokens_for).
-            return self.llm.engine.scheduler.max_tokens_for(prompt_len, None)
+            assert self.llm.info is not None
+            return self.llm.info.max_tokens_for(prompt_len)
         if prompt_len + max_tokens > limit:
             raise _bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -294,7 +294,7 @@ class OpenAIServing:
             params = build()
         except ValueError as e:
             raise _bad_request(str(e)) from None
-        vocab = self.llm.engine.vocab_size
+        vocab = self.llm.info.vocab_size
         if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
             raise _bad_request(f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
         return params
@@ -341,7 +341,7 @@ class OpenAIServing:
             self.check_prompt_size(len(prompt), "prompt")
             ids = await asyncio.get_running_loop().run_in_executor(None, self._encode_text, prompt)
         else:
-            vocab = self.llm.engine.vocab_size
+            vocab = self.llm.info.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise _bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
             ids = prompt
