@@ -81,8 +81,10 @@ def folders(target_model, tmp_path_factory) -> dict[str, Path]:
     return found
 
 
-@pytest.fixture(scope="module")
-def lora_server(target_model, folders, tmp_path_factory):
+# Every test of this server runs twice: the engine in the server's thread, and in its own process
+# (adapters load, unload and report their metrics across the process boundary).
+@pytest.fixture(scope="module", params=[(), ("--engine-process",)], ids=["engine-thread", "engine-process"])
+def lora_server(target_model, folders, tmp_path_factory, request):
     proc = start_server(
         target_model,
         tmp_path_factory.mktemp("lora-server-log"),
@@ -93,6 +95,7 @@ def lora_server(target_model, folders, tmp_path_factory):
         "--lora-modules", f"sql={folders['sql']}",
         "--lora-allowed-roots", str(folders["root"]),
         "--enable-lora-runtime-updating",
+        *request.param,
     )  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.log()
