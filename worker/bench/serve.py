@@ -28,7 +28,6 @@ import asyncio
 import gc
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -404,7 +403,7 @@ def server_flags(args, max_num_seqs: int) -> list[str]:
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    return flags + shlex.split(getattr(args, "server_flags", None) or "")
+    return flags + list(getattr(args, "server_flag", None) or [])
 
 
 def describe_workload(workload: Workload, seed: int) -> dict[str, Any]:
@@ -546,9 +545,7 @@ def add_parser(sub, parents: list) -> None:
     )
     p.add_argument("--server-log-dir", default=None, help="where server logs go (default: a temp dir)")
     p.add_argument(
-        "--server-flags",
-        default="",
-        help="more `kvscale-worker serve` flags, one string (e.g. '--engine-process')",
+        "--server-flag", action="append", help="extra `serve` flag (repeatable; e.g. --engine-process)"
     )
     p.add_argument(
         "--profile-server",
