@@ -112,7 +112,7 @@ def serving():
     from kvscale.worker.server.openai_serving import OpenAIServing
 
     tokenizer = load_tokenizer(str(TARGET))
-    return OpenAIServing(SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer)), None)
+    return OpenAIServing(SimpleNamespace(tokenizer=tokenizer), None)  # what it reads of AsyncLLM
 
 
 def test_chat_logprob_bytes_are_the_tokens_own_bytes(serving):
