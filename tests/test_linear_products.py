@@ -23,6 +23,10 @@ def test_product_kind_by_rows_weight_and_mode():
     assert product_kind(4, True, 640, 384, 640 * 384) == "weight_first"
     assert product_kind(4, True, 384, 1024, 384 * 1024) == "library"  # contracting
     assert product_kind(9, True, 2048, 384, BIG) == "library"
+    # 16-bit weights: the library's kernel wins from 2 rows; one row in a graph still reduces
+    assert product_kind(4, True, 2048, 384, BIG, torch.bfloat16) == "library"
+    assert product_kind(4, False, 2048, 384, BIG, torch.float16) == "library"
+    assert product_kind(1, True, 2048, 384, BIG, torch.bfloat16) == "reduce"
 
 
 def _ops(batch: int, dim) -> set[str]:

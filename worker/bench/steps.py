@@ -45,6 +45,7 @@ def add_parser(sub, parents) -> None:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="the weights' and KV cache's dtype (auto: float32 on CPU)")
     p.set_defaults(func=run)
 
 
@@ -96,10 +97,12 @@ def run(args) -> dict[str, Any]:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     # The engine's default block size (16) gives the most blocks any case needs.
     blocks_needed = 1 + max(case_chunks(CASES[c], 16)[-1].block_ids[-1] for c in cases)
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "iters": args.iters, "modes": {}}
+    result: dict[str, Any] = {
+        "torch_threads": torch.get_num_threads(), "dtype": args.dtype, "iters": args.iters, "modes": {},
+    }  # fmt: skip
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         llm = LLM(
-            args.model, device=args.device, enforce_eager=mode == "eager", max_num_seqs=64,
+            args.model, device=args.device, dtype=args.dtype, enforce_eager=mode == "eager", max_num_seqs=64,
             compile_in_background=False,
             num_kv_blocks=max(4096, blocks_needed),
         )  # fmt: skip

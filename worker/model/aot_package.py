@@ -57,7 +57,9 @@ from kvscale.worker.model.layers.linear import SMALL_ROWS
 logger = logging.getLogger(__name__)
 
 # Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
-FORMAT_VERSION = 3  # 2: the decode graphs return logits (the LM head inside); 3: decode_small
+# 2: the decode graphs return logits (the LM head inside); 3: decode_small; 4: 16-bit weights keep
+# the library's product in decode_small (layers/linear.py)
+FORMAT_VERSION = 4
 GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
 KEY_FILE = "key.json"

@@ -30,15 +30,18 @@ SMALL_ROWS = (2, 8)
 MIN_WEIGHT_ELEMENTS = 1 << 18  # smaller weights stay in cache, where the library's kernel is fine
 
 
-def product_kind(rows, compiling: bool, out_features: int, in_features: int, numel: int) -> str:
+def product_kind(
+    rows, compiling: bool, out_features: int, in_features: int, numel: int, dtype: torch.dtype = torch.float32
+) -> str:
     """How a CPU Linear multiplies `rows` rows (an int, or a graph's symbol): "reduce" (W * x summed),
     "weight_first" (W @ x.T) or "library" (F.linear). Pure: no guard is added on a symbol. Eagerly
     a weight under MIN_WEIGHT_ELEMENTS keeps the library's kernel (it stays in cache between calls);
-    inside a graph every weight streams from memory once a step, and all take the faster form."""
+    inside a graph every weight streams from memory once a step, and all take the faster form.
+    `W @ x.T` is for float32 weights only (the library wins on 16-bit ones)."""
     if compiling and statically_known_true(rows == 1):
         return "reduce"
     small = statically_known_true(rows >= SMALL_ROWS[0]) and statically_known_true(rows <= SMALL_ROWS[1])
-    if small and out_features >= in_features and (compiling or numel >= MIN_WEIGHT_ELEMENTS):
+    if small and dtype == torch.float32 and out_features >= in_features and (compiling or numel >= MIN_WEIGHT_ELEMENTS):
         return "weight_first"
     return "library"
 
@@ -49,7 +52,7 @@ class Linear(nn.Linear):
         if x.device.type == "cpu" and x.dim() == 2:
             kind = product_kind(
                 x.shape[0], torch.compiler.is_compiling(), self.out_features, self.in_features,
-                self.weight.numel(),
+                self.weight.numel(), self.weight.dtype,
             )  # fmt: skip
         if kind == "library":
             return nn.functional.linear(x, self.weight, self.bias)
