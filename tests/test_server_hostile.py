@@ -506,13 +506,13 @@ SMALL_POOL_BLOCKS = 8  # x 16 tokens = 128 tokens
 
 
 @pytest.fixture(scope="module")
-def long_context_model(tmp_path_factory) -> str:
-    from model_fixtures import TARGET
-
+def long_context_model(tmp_path_factory, target_model) -> str:
+    """A random model with a 128 Ki context and the target's tokenizer (skips where it is missing)."""
     from kvscale.worker.testing.tiny_model import build_tiny_model
 
     path = tmp_path_factory.mktemp("long-context")
-    return str(build_tiny_model(path, max_position_embeddings=LONG_CONTEXT, tokenizer_from=TARGET, seed=3))
+    built = build_tiny_model(path, max_position_embeddings=LONG_CONTEXT, tokenizer_from=target_model, seed=3)
+    return str(built)
 
 
 @pytest.mark.parametrize("explicit", [False, True])

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from kvscale.worker.model.aoti_runner import AOTIError, ReleasedGILRunner
 from kvscale.worker.model.layers.linear import SMALL_ROWS
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 4
 GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
+# Run through the C ABI with the GIL released (aoti_runner.py): the graphs that call no Python.
+# The chunk graphs call the attention op through torch's proxy executor and keep torch's runner.
+GIL_FREE_GRAPHS = ("decode1", "decode_small", "decoden")
 KEY_FILE = "key.json"
 COMPILE_CACHE_ENV = "KVSCALE_COMPILE_CACHE"
 # Packages that come with the installation (the worker image builds the default model's here).
@@ -409,14 +413,20 @@ def load_package(folder: Path, model, dtype: torch.dtype, block_size: int, lora:
     runners = {}
     wrappers = _wrappers(model)
     for graph in graphs_of(wanted):
+        named = dict(wrappers[graph].named_parameters(remove_duplicate=False))
+        named.update(wrappers[graph].named_buffers(remove_duplicate=False))
+        if graph in GIL_FREE_GRAPHS:
+            try:
+                runners[graph] = ReleasedGILRunner(folder / f"{graph}.pt2", named)
+            except AOTIError as e:
+                raise PackageRefused(str(e)) from e
+            continue
         # The loader itself (torch._inductor.aoti_load_package also probes the vector ISA by
         # compiling test programs, seconds of g++ for a warning; refusal() has checked the CPU).
         loader = torch._C._aoti.AOTIModelPackageLoader(
             str(folder / f"{graph}.pt2"), "model", False, 1, -1, False
         )
         runner = AOTICompiledModel(loader)
-        named = dict(wrappers[graph].named_parameters(remove_duplicate=False))
-        named.update(wrappers[graph].named_buffers(remove_duplicate=False))
         constants = runner.get_constant_fqns()
         unknown = [name for name in constants if name not in named]
         if unknown:

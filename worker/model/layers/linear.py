@@ -41,7 +41,8 @@ def product_kind(
     if compiling and statically_known_true(rows == 1):
         return "reduce"
     small = statically_known_true(rows >= SMALL_ROWS[0]) and statically_known_true(rows <= SMALL_ROWS[1])
-    if small and dtype == torch.float32 and out_features >= in_features and (compiling or numel >= MIN_WEIGHT_ELEMENTS):
+    expanding = out_features >= in_features and (compiling or numel >= MIN_WEIGHT_ELEMENTS)
+    if small and expanding and dtype == torch.float32:
         return "weight_first"
     return "library"
 
