@@ -445,6 +445,35 @@ def test_a_write_is_checked_again_on_the_connection_as_it_is_sent(api_server):
     assert Recorder.seen == []  # it never left
 
 
+def test_a_write_is_checked_again_as_its_bytes_go_out(api_server):
+    """Frozen after the connection's own check, while the request's headers were being built: the
+    check as the bytes go out refuses it, and nothing reaches the server."""
+    clock = FakeClock(0.0)
+    fence = Fence(T, clock=clock)
+    fence.renewed(0.0)
+    api = client.ApiClient(client.Configuration(host=api_server))
+    fence_api_client(api, fence, timeout=(1.0, 0.3))
+    pool = api.rest_client.pool_manager.connection_from_url(api_server)
+    make = pool._new_conn
+
+    def connection_frozen_in_putheader():
+        conn = make()
+        putheader = conn.putheader
+
+        def frozen(*args):
+            clock.t = 10.0  # the renew deadline passes between request()'s check and the send
+            return putheader(*args)
+
+        conn.putheader = frozen
+        return conn
+
+    pool._new_conn = connection_frozen_in_putheader
+    Recorder.seen.clear()
+    with pytest.raises(NotLeader):
+        client.CoreV1Api(api).patch_namespaced_config_map("x", "ns", {"data": {"a": "b"}})
+    assert Recorder.seen == []  # it never left
+
+
 async def _aiohttp_server(seen: list[str], release: asyncio.Event) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
         seen.append(f"{request.method} {request.path}")
