@@ -423,9 +423,10 @@ def test_the_kubernetes_client_is_fenced_and_times_out(api_server):
     assert Recorder.seen == [("PUT", "/api/v1/namespaces/ns/configmaps/drop")]
 
 
-def test_a_write_is_checked_again_on_the_connection_as_it_is_sent(api_server):
-    """A process frozen after the client's check (while a connection was taken or opened) and
-    resumed after its lease passed on must not send the write: the connection checks again."""
+def _write_frozen_while(api_server: str, freeze) -> None:
+    """A ConfigMap patch through a fenced client whose new connection passes through
+    `freeze(connection_maker, clock)` (where the process "freezes" past its renew deadline): the
+    write must be refused and never reach the server."""
     clock = FakeClock(0.0)
     fence = Fence(T, clock=clock)
     fence.renewed(0.0)
@@ -433,30 +434,29 @@ def test_a_write_is_checked_again_on_the_connection_as_it_is_sent(api_server):
     fence_api_client(api, fence, timeout=(1.0, 0.3))
     pool = api.rest_client.pool_manager.connection_from_url(api_server)
     make = pool._new_conn
-
-    def frozen_then_resumed():
-        clock.t = 10.0  # the renew deadline passes while the connection is being made
-        return make()
-
-    pool._new_conn = frozen_then_resumed
+    pool._new_conn = lambda: freeze(make, clock)
     Recorder.seen.clear()
     with pytest.raises(NotLeader):
         client.CoreV1Api(api).patch_namespaced_config_map("x", "ns", {"data": {"a": "b"}})
     assert Recorder.seen == []  # it never left
 
 
+def test_a_write_is_checked_again_on_the_connection_as_it_is_sent(api_server):
+    """A process frozen after the client's check (while a connection was taken or opened) and
+    resumed after its lease passed on must not send the write: the connection checks again."""
+
+    def frozen_then_resumed(make, clock):
+        clock.t = 10.0  # the renew deadline passes while the connection is being made
+        return make()
+
+    _write_frozen_while(api_server, frozen_then_resumed)
+
+
 def test_a_write_is_checked_again_as_its_bytes_go_out(api_server):
     """Frozen after the connection's own check, while the request's headers were being built: the
     check as the bytes go out refuses it, and nothing reaches the server."""
-    clock = FakeClock(0.0)
-    fence = Fence(T, clock=clock)
-    fence.renewed(0.0)
-    api = client.ApiClient(client.Configuration(host=api_server))
-    fence_api_client(api, fence, timeout=(1.0, 0.3))
-    pool = api.rest_client.pool_manager.connection_from_url(api_server)
-    make = pool._new_conn
 
-    def connection_frozen_in_putheader():
+    def frozen_in_putheader(make, clock):
         conn = make()
         putheader = conn.putheader
 
@@ -467,11 +467,7 @@ def test_a_write_is_checked_again_as_its_bytes_go_out(api_server):
         conn.putheader = frozen
         return conn
 
-    pool._new_conn = connection_frozen_in_putheader
-    Recorder.seen.clear()
-    with pytest.raises(NotLeader):
-        client.CoreV1Api(api).patch_namespaced_config_map("x", "ns", {"data": {"a": "b"}})
-    assert Recorder.seen == []  # it never left
+    _write_frozen_while(api_server, frozen_in_putheader)
 
 
 async def _aiohttp_server(seen: list[str], release: asyncio.Event) -> web.AppRunner:
