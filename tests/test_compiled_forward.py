@@ -249,6 +249,24 @@ def test_decode_graphs_run_with_the_gil_released(target_model, package_cache):
     assert torch.equal(during["logits"], expected)
 
 
+def test_a_package_the_gil_free_runner_cannot_use_is_refused(package_cache, tmp_path):
+    """A package without its model library, or one whose graph wants a parameter the model lacks:
+    refused with a reason (load_package turns it into PackageRefused, and the worker builds anew),
+    never half loaded."""
+    import zipfile
+
+    from kvscale.worker.model.aoti_runner import AOTIError, ReleasedGILRunner
+
+    folder = next(p for p in package_cache.iterdir() if (p / KEY_FILE).is_file())
+    empty = tmp_path / "decode1.pt2"
+    with zipfile.ZipFile(empty, "w") as archive:
+        archive.writestr("decode1/archive_format", "pt2")
+    with pytest.raises(AOTIError, match="expected one model library, found 0"):
+        ReleasedGILRunner(empty, {})
+    with pytest.raises(AOTIError, match="wants a constant this model lacks"):
+        ReleasedGILRunner(folder / "decode1.pt2", {})
+
+
 @pytest.fixture(scope="module")
 def lora_package_cache(target_model, tmp_path_factory) -> Path:
     """A compile cache holding the target model's package with the LoRA graphs."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -66,7 +67,7 @@ def model_library(package: Path, into: Path) -> Path:
             raise AOTIError(f"{package}: expected one model library, found {len(names)}")
         target = into / Path(names[0]).name
         with archive.open(names[0]) as src, open(target, "wb") as dst:
-            dst.write(src.read())
+            shutil.copyfileobj(src, dst)  # in pieces: a big model's library is not read whole
     return target
 
 
@@ -76,6 +77,8 @@ class ReleasedGILRunner:
     names), the same mapping torch's `load_constants` takes."""
 
     def __init__(self, package: Path, constants: dict[str, torch.Tensor]) -> None:
+        self._handle = ctypes.c_void_p()
+        self._constant_handles: list[int] = []  # set before anything can fail: close() reads them
         with tempfile.TemporaryDirectory(prefix="kvscale-aoti-") as folder:
             # Mapped once loaded: the file itself can go with the folder.
             self._lib = ctypes.CDLL(str(model_library(package, Path(folder))), mode=os.RTLD_LOCAL)
@@ -87,7 +90,6 @@ class ReleasedGILRunner:
                      "AOTInductorModelContainerUpdateUserManagedConstantBufferPairs",
                      "AOTInductorModelContainerDelete"):  # fmt: skip
             getattr(lib, name).restype = ctypes.c_int32
-        self._handle = ctypes.c_void_p()
         self._check("CreateWithDevice", ctypes.byref(self._handle), ctypes.c_size_t(1), b"cpu", None)
         count = ctypes.c_size_t()
         self._check("GetNumOutputs", self._handle, ctypes.byref(count))
