@@ -447,3 +447,47 @@ def test_step_outputs_carry_only_new_tokens_and_add_up_to_generate(llm: LLM) -> 
             assert c.metrics.first_token_time == c.metrics.token_times[0]
             assert all(d.metrics.first_token_time == parts[0].metrics.token_times[0] for d in parts)
     assert_engine_idle(llm)
+
+
+def test_stream_interval_gathers_tokens_into_fewer_deltas_that_add_up_to_the_same(llm: LLM) -> None:
+    """With stream_interval 4 a sequence's first token comes alone, then deltas of 4 tokens, then
+    its last (shorter, or cut by a stop string whose held-back text never went out); together
+    they are exactly LLM.generate's output, text and logprobs included."""
+    prompts = [CODE_PROMPTS[0], CODE_PROMPTS[2], CODE_PROMPTS[1]]
+    params = [
+        greedy(22, logprobs=2, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, logprobs=1, stop=["\n\n"]),
+        greedy(30, stop=["):"], include_stop_str_in_output=False),
+    ]
+    whole = llm.generate(prompts, params)
+    engine = llm.engine
+    engine.args.stream_interval = 4
+    try:
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        deltas: dict[tuple[str, int], list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    deltas.setdefault((out.request_id, c.index), []).append(c)
+    finally:
+        engine.args.stream_interval = 1
+    for rid, out in zip(ids, whole, strict=True):
+        for c in out.outputs:
+            parts = deltas[(rid, c.index)]
+            sizes = [len(d.token_ids) for d in parts]
+            assert sizes[0] == 1 and all(n == 4 for n in sizes[1:-1]), sizes
+            assert len(parts) == 1 or 1 <= sizes[-1] <= 4, sizes
+            assert [t for d in parts for t in d.token_ids] == c.token_ids
+            assert "".join(d.text for d in parts) == c.text
+            assert [lp for d in parts for lp in d.logprobs or []] == (c.logprobs or [])
+            assert sum(len(d.metrics.token_times) for d in parts) == len(c.token_ids)
+            assert parts[-1].finish_reason == c.finish_reason and c.finish_reason is not None
+            assert all(d.finish_reason is None for d in parts[:-1])
+    assert_engine_idle(llm)
+
+
+def test_stream_interval_below_one_is_refused() -> None:
+    from kvscale.worker.config import EngineArgs
+
+    with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
+        EngineArgs(model="m", stream_interval=0)

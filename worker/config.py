@@ -57,6 +57,10 @@ class EngineArgs:
     # Run the engine (scheduler, forward, sampler, detokenizer) in a process of its own, the server's
     # HTTP side in this one (vLLM V1's engine core; engine/core_proc.py, docs/engine.md).
     engine_process: bool = False
+    # Hand a sequence's tokens out every stream_interval tokens (its first and last at once): fewer,
+    # larger SSE events, for hosts where the HTTP side's CPU per event competes with the forward
+    # (vLLM's and SGLang's --stream-interval; docs/server.md).
+    stream_interval: int = 1
     # Structured outputs (docs/server.md, Limits): grammar-compile threads (each client may hold half
     # of them), and the byte budget of the compiled-grammar cache.
     grammar_compile_workers: int = 2
@@ -103,6 +107,7 @@ class EngineArgs:
             (self.max_num_seqs >= 1, f"max_num_seqs must be positive, got {self.max_num_seqs}"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"),
             (self.grammar_compile_workers >= 1, "grammar_compile_workers must be positive"),
+            (self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}"),
             (self.grammar_cache_bytes >= 0, "grammar_cache_bytes must not be negative"),
             (
                 self.grammar_compile_timeout is None or self.grammar_compile_timeout > 0,

@@ -34,6 +34,7 @@ from typing import Any
 from kvscale.worker.bench.serve import (
     _concurrency_levels,
     _offline,
+    add_stream_interval_arg,
     describe_workload,
     free_port,
     launch,
@@ -363,6 +364,7 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine sizes its pool")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    add_stream_interval_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--llama-threads", type=int, default=None, help="llama-server's -t (default: torch's thread count)"

@@ -389,6 +389,7 @@ def offline_engine_args(args, max_num_seqs: int) -> dict[str, Any]:
         "num_kv_blocks": args.num_kv_blocks,
         "device": args.device,
         "dtype": args.dtype,
+        "stream_interval": args.stream_interval,
     }
 
 
@@ -399,6 +400,7 @@ def server_flags(args, max_num_seqs: int) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--device", args.device,
         "--dtype", args.dtype,
+        "--stream-interval", str(args.stream_interval),
         "--max-queued-requests", str(max(256, args.num_requests)),
     ]  # fmt: skip
     if args.num_kv_blocks is not None:
@@ -522,6 +524,12 @@ def run(args) -> dict[str, Any]:
     return result
 
 
+def add_stream_interval_arg(p) -> None:
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="the engine's stream_interval, served and offline"
+    )
+
+
 def add_parser(sub, parents: list) -> None:
     p = sub.add_parser(
         "serve", parents=parents, help="the HTTP server under streaming load against the offline engine"
@@ -538,6 +546,7 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine sizes its pool")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    add_stream_interval_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true", help="only the HTTP runs (no ratio)")
     p.add_argument(

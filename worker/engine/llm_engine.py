@@ -29,7 +29,7 @@ from kvscale.worker.core.scheduler import Scheduler, SchedulerConfig, SchedulerO
 from kvscale.worker.distributed.parallel_state import TensorParallelError
 from kvscale.worker.engine.detokenizer import IncrementalDetokenizer
 from kvscale.worker.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
-from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta
+from kvscale.worker.engine.outputs import CompletionOutput, RequestOutput, completion_delta, stream_now
 from kvscale.worker.lora.adapter import LoRAAdapter
 from kvscale.worker.lora.manager import LoRAStats
 from kvscale.worker.lora.request import LoRARequest
@@ -122,9 +122,10 @@ class ParentRequest:
     prompt: str | None
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
-    # Output tokens already given to each child's detokenizer, which are also those already handed
-    # out in a delta.
+    # Output tokens already given to each child's detokenizer.
     num_fed: list[int] = field(default_factory=list)
+    # Output tokens already handed out in a delta (behind num_fed while stream_interval holds some).
+    num_sent: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # pinned in host memory from add_prepared to its end
 
 
@@ -370,8 +371,9 @@ class LLMEngine:
             for _ in children
         ]
         return ParentRequest(
-            request_id, text, children, detokenizers, [0] * len(children), lora_request=lora_request
-        )
+            request_id, text, children, detokenizers, [0] * len(children), [0] * len(children),
+            lora_request=lora_request,
+        )  # fmt: skip
 
     def add_prepared(self, parent: ParentRequest) -> str:
         """Queue a request made by make_request."""
@@ -572,18 +574,22 @@ class LLMEngine:
             return []
         self._consecutive_failed_steps = 0
         touched: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
+        interval = self.args.stream_interval
         for request in updated:
             parent = self._parents.get(self._child_to_parent.get(request.request_id, ""))
             if parent is None:  # failed earlier in this step (another of its sequences)
                 continue
             try:  # this request's own bookkeeping: an error in it fails the request alone
                 i = parent.children.index(request)
-                seen = parent.num_fed[i]
                 self._detokenize(parent, i, request)
+                sent = parent.num_sent[i]
+                if not stream_now(sent, request.num_output_tokens, request.is_finished, interval):
+                    continue
                 # Text is what is safe to stream: a tail that may still become a stop string is
                 # held back until it is known not to be one, so streamed text is never taken back.
                 text = parent.detokenizers[i].get_next_output_text(finished=request.is_finished, delta=True)
-                delta = completion_delta(i, request, text, seen)
+                delta = completion_delta(i, request, text, sent)
+                parent.num_sent[i] = request.num_output_tokens
             except Exception as e:
                 logger.exception("request %s failed", parent.request_id)
                 self._fail(parent.request_id, e)
