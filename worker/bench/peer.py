@@ -34,7 +34,7 @@ from typing import Any
 from kvscale.worker.bench.serve import (
     _concurrency_levels,
     _offline,
-    add_stream_interval_arg,
+    add_engine_flags,
     describe_workload,
     free_port,
     launch,
@@ -360,11 +360,7 @@ def add_parser(sub, parents: list) -> None:
         "--concurrency", default="1,8,32,64", help="comma-separated streams in flight, runs at each"
     )
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per level (medians over them)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="also llama-server's -b")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine sizes its pool")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    add_stream_interval_arg(p)
+    add_engine_flags(p, batched_tokens_help="also llama-server's -b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--llama-threads", type=int, default=None, help="llama-server's -t (default: torch's thread count)"

@@ -524,7 +524,12 @@ def run(args) -> dict[str, Any]:
     return result
 
 
-def add_stream_interval_arg(p) -> None:
+def add_engine_flags(p, batched_tokens_help: str | None = None) -> None:
+    """The flags offline_engine_args and server_flags read: one engine, served and offline."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help=batched_tokens_help)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine sizes its pool")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
     p.add_argument(
         "--stream-interval", type=int, default=1, help="the engine's stream_interval, served and offline"
     )
@@ -542,11 +547,7 @@ def add_parser(sub, parents: list) -> None:
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="engine batch cap (default: the largest concurrency)"
     )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: the engine sizes its pool")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    add_stream_interval_arg(p)
+    add_engine_flags(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true", help="only the HTTP runs (no ratio)")
     p.add_argument(
