@@ -360,6 +360,34 @@ def test_an_engine_thread_failure_outside_a_step_fails_streams_and_liveness(targ
     asyncio.run(scenario())
 
 
+def test_the_event_loop_is_woken_only_by_steps_with_outputs(target_model):
+    """Under --stream-interval most steps send nothing: the engine thread then leaves the event loop
+    asleep instead of waking it for an empty hand-off (each wake-up costs both threads the GIL)."""
+
+    async def scenario() -> None:
+        args = EngineArgs(model=target_model, device="cpu", num_kv_blocks=64, stream_interval=4)
+        llm = AsyncLLM(args, "m")
+        handed: list[int] = []
+        dispatch = llm._dispatch
+
+        def counted(outputs) -> None:
+            handed.append(len(outputs))
+            dispatch(outputs)
+
+        llm._dispatch = counted
+        await llm.start()
+        try:
+            params = SamplingParams(max_tokens=21, ignore_eos=True)
+            deltas = [o async for o in llm.generate(PROMPT, params, "r")]
+        finally:
+            await llm.shutdown()
+        assert sum(len(d.outputs[0].token_ids) for d in deltas) == 21
+        assert len(deltas) == 6, [len(d.outputs[0].token_ids) for d in deltas]  # 1, 4 x 5
+        assert handed == [1] * 6, handed  # 21 decode steps, six hand-offs
+
+    asyncio.run(scenario())
+
+
 def test_queued_requests_are_counted_once(target_model):
     """The queue cap (429) reads num_waiting: a request the engine thread has taken into its queue,
     while the event loop has not yet heard back, must not be counted twice."""

@@ -26,8 +26,13 @@ from model_fixtures import REPO
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import free_port, start_server
 
+from kvscale.worker.config import EngineArgs
+from kvscale.worker.engine import async_llm
+from kvscale.worker.engine.async_llm import AsyncLLM, publish_due
+from kvscale.worker.engine.outputs import RequestOutput
 from kvscale.worker.metrics.prometheus import EngineMetrics
 from kvscale.worker.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from kvscale.worker.sample.sampling_params import SamplingParams
 
 MODEL = "tiny"
 DASHBOARD = REPO / "docs" / "grafana-dashboard.json"
@@ -148,6 +153,53 @@ def test_record_moves_metrics_by_exactly_the_iteration_stats():
     assert_twins_agree(samples)
     # A state, not a counter: adapter a was resident after the first two steps, not after the last.
     assert not [n for n, _ in samples if n == "kvscale_lora_adapter_resident"]
+
+
+def test_publish_due_batches_steps_but_never_a_finish():
+    def out(finished: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], [], finished)
+
+    interval = async_llm.METRICS_INTERVAL
+    assert not publish_due(0.0, interval / 2, [out(False), out(False)])
+    assert publish_due(0.0, interval, [out(False)])
+    assert publish_due(0.0, interval, [])
+    assert publish_due(0.0, 0.0, [out(False), out(True)])
+
+
+def test_a_request_is_counted_by_the_time_its_stream_ends(target_model, monkeypatch):
+    """The engine thread publishes at most every METRICS_INTERVAL while it steps, but always after a
+    step that finished a request: a client holding its whole answer finds it in /metrics, even
+    while other requests keep the engine busy. The interval is made an hour here, so that only
+    the finish can have published."""
+    monkeypatch.setattr(async_llm, "METRICS_INTERVAL", 3600.0)
+
+    async def scenario() -> None:
+        llm = AsyncLLM(EngineArgs(model=target_model, device="cpu", num_kv_blocks=64), MODEL)
+        records = 0
+        record = llm.metrics.record
+
+        def counted(*args) -> None:
+            nonlocal records
+            records += 1
+            record(*args)
+
+        llm.metrics.record = counted
+        await llm.start()
+        try:
+            busy = llm.generate("long", SamplingParams(max_tokens=400, ignore_eos=True), "busy")
+            await anext(busy)  # the engine now steps until it ends, never idle
+            before = records
+            short = [o async for o in llm.generate("x", SamplingParams(max_tokens=20, ignore_eos=True), "s")]
+            assert short[-1].finished
+            samples = scrape(llm.metrics)
+            assert value(samples, "kvscale_requests_finished_total", finished_reason="length") == 1
+            assert value(samples, "kvscale_generation_tokens_total") >= 20
+            assert records - before <= 2, "published on steps that finished nothing"
+            await busy.aclose()
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(scenario())
 
 
 def test_structured_output_metrics_move_by_the_iteration_stats():
