@@ -115,9 +115,11 @@ def test_agreement_counts_the_matching_prefix_of_each_prompt():
     assert figures["matching_prefix_tokens"] == 4 and figures["matching_prefix_fraction"] == round(4 / 6, 4)
 
 
-async def _level_against_a_stream_without_usage(force_close: bool) -> tuple[dict, set]:
-    """A stand-in server streaming one token per chunk and no usage chunk; records the client port
-    of each request (one port per connection)."""
+async def _level_against_a_stream_without_usage(
+    force_close: bool, probe_interval: float = 0.0
+) -> tuple[dict, set]:
+    """A stand-in server streaming one token per chunk and no usage chunk, with a /health and a
+    /metrics; records the client port of each completion request (one port per connection)."""
     from aiohttp import web
 
     ports: set[int] = set()
@@ -130,18 +132,21 @@ async def _level_against_a_stream_without_usage(force_close: bool) -> tuple[dict
         for i in range(body["max_tokens"]):
             chunk = {"choices": [{"text": f"t{i}", "index": 0, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.01)  # a token every 10 ms: the probes get their turns
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", lambda _: web.Response(text="ok"))
+    app.router.add_get("/metrics", lambda _: web.Response(text="# no metrics\n"))
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         workload = Workload([[0, 5], [0, 6], [0, 7], [0, 8]], [3, 5, 2, 4])
-        level = await run_level(f"http://127.0.0.1:{port}", workload, 1, force_close=force_close)
+        level = await run_level(f"http://127.0.0.1:{port}", workload, 1, force_close, probe_interval)
     finally:
         await runner.cleanup()
     return level, ports
@@ -154,3 +159,12 @@ def test_client_counts_chunks_without_usage_and_can_open_a_connection_per_reques
     assert len(ports) == 4  # each request on its own connection
     _, ports = asyncio.run(_level_against_a_stream_without_usage(force_close=False))
     assert len(ports) == 1  # one at a time, kept alive: the default reuses it
+
+
+def test_probes_run_only_when_asked():
+    level, _ = asyncio.run(_level_against_a_stream_without_usage(False, probe_interval=0.01))
+    assert level["errors"] == 0, level["error_samples"]
+    assert set(level["probe_ms"]) == {"/health", "/metrics"}
+    assert all(p["n"] >= 3 for p in level["probe_ms"].values()), level["probe_ms"]  # ~140 ms of streams
+    level, _ = asyncio.run(_level_against_a_stream_without_usage(False, probe_interval=0.0))
+    assert "probe_ms" not in level

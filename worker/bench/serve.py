@@ -265,38 +265,48 @@ async def _stream_one(session, url: str, prompt: list[int], max_tokens: int) -> 
 
 
 PROBE_PATHS = ("/health", "/metrics")
-PROBE_INTERVAL = 0.05  # seconds between two probes of one path
+# Seconds between two probes of one path (--probe-interval). Far more often than a kubelet or
+# Prometheus asks, to sample the latencies under load; they cost the served figure ~0.1 of its
+# ratio to the offline engine at 8 streams on 2 cores (docs/benchmarks.md), hence 0 to turn them off.
+PROBE_INTERVAL = 0.05
 
 
-async def _probe(session, base_url: str, path: str, latencies: list[float]) -> None:
-    """GET `path` every PROBE_INTERVAL s until cancelled, as a kubelet or Prometheus would."""
+async def _probe(session, base_url: str, path: str, latencies: list[float], interval: float) -> None:
+    """GET `path` every `interval` s until cancelled, as a kubelet or Prometheus would."""
     while True:
         start = time.perf_counter()
         async with session.get(base_url + path) as resp:
             await resp.read()
         latencies.append(time.perf_counter() - start)
-        await asyncio.sleep(PROBE_INTERVAL)
+        await asyncio.sleep(interval)
 
 
 async def run_level(
-    base_url: str, workload: Workload, concurrency: int, force_close: bool = False, probe: bool = False
+    base_url: str,
+    workload: Workload,
+    concurrency: int,
+    force_close: bool = False,
+    probe_interval: float = 0.0,
 ) -> dict[str, Any]:
     """All requests of the workload, in order, at most `concurrency` in flight. `force_close`: a
     connection per request (llama-server closes some reused keep-alive connections after a stream).
-    `probe`: /health and /metrics are polled meanwhile (their latencies in `probe_ms`)."""
+    `probe_interval` > 0: /health and /metrics are polled that often meanwhile (their latencies in
+    `probe_ms`)."""
     import aiohttp
 
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=0, force_close=force_close)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    probes: dict[str, list[float]] = {path: [] for path in PROBE_PATHS} if probe else {}
+    probes: dict[str, list[float]] = {path: [] for path in PROBE_PATHS} if probe_interval > 0 else {}
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
         async def one(prompt: list[int], n: int) -> RequestResult:
             async with limit:
                 return await _stream_one(session, base_url, prompt, n)
 
-        probers = [asyncio.create_task(_probe(session, base_url, p, v)) for p, v in probes.items()]
+        probers = [
+            asyncio.create_task(_probe(session, base_url, p, v, probe_interval)) for p, v in probes.items()
+        ]
         start = time.perf_counter()
         results = await asyncio.gather(
             *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
@@ -360,14 +370,14 @@ def measure_level(
     workload: Workload,
     concurrency: int,
     force_close: bool = False,
-    probe: bool = False,
+    probe_interval: float = 0.0,
 ) -> dict[str, Any]:
     """Warm-up, the workload at `concurrency` (run_level's figures plus the CPU seconds client and
     server used), then the server stopped: each level gets a fresh server from its caller."""
     try:
         asyncio.run(_warm_up(server.base_url))
         server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
-        level = asyncio.run(run_level(server.base_url, workload, concurrency, force_close, probe))
+        level = asyncio.run(run_level(server.base_url, workload, concurrency, force_close, probe_interval))
         # Where the cores went during the level: both processes share the same machine.
         level["client_cpu_s"] = round(time.process_time() - client_cpu, 2)
         level["server_startup_s"] = round(server.startup_s or 0.0, 2)
@@ -472,7 +482,7 @@ def run(args) -> dict[str, Any]:
     def http_level(c: int, tag: str) -> dict[str, Any]:
         profile = str(log_dir / f"profile-{tag}") if args.profile_server else None
         server = start_server(args.model, flags, log_dir / f"server-{tag}.log", profile)
-        return measure_level(server, workload, c, probe=True)
+        return measure_level(server, workload, c, probe_interval=args.probe_interval)
 
     # A fresh server per level: none reuses the prefix cache another one filled.
     http: dict[str, Any] = {str(c): http_level(c, f"c{c}") for c in levels}
@@ -554,6 +564,13 @@ def add_parser(sub, parents: list) -> None:
         "--ratio-rounds", type=int, default=3, help="alternating offline / HTTP rounds for the median ratio"
     )
     p.add_argument("--server-log-dir", default=None, help="where server logs go (default: a temp dir)")
+    p.add_argument(
+        "--probe-interval",
+        type=float,
+        default=PROBE_INTERVAL,
+        help="seconds between two GETs of /health and of /metrics during each level (0: no probes; "
+        "they take CPU from the server, so the ratio to the offline engine reads lower with them)",
+    )
     p.add_argument(
         "--server-flag", action="append", help="extra `serve` flag (repeatable; e.g. --engine-process)"
     )
