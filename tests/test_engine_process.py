@@ -19,7 +19,9 @@ from server_fixtures import start_server
 from test_engine_vs_hf import assert_greedy_matches, hf_greedy, mixed_prompts
 
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.engine.async_llm import METRICS_INTERVAL
 from kvscale.worker.engine.core_client import MPAsyncLLM
+from kvscale.worker.engine.core_proc import step_report_due
 from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -106,6 +108,38 @@ def test_refusals_aborts_constraints_and_metrics_cross_the_boundary(target_model
 
     text = run_with_engine_process(scenario, model=target_model)
     assert isinstance(json.loads(text)["a"], int)
+
+
+def test_steps_without_outputs_are_reported_only_for_an_add_or_the_stats():
+    assert not step_report_due((3, 10.0), 3, 10.0 + METRICS_INTERVAL / 2)
+    assert step_report_due((3, 10.0), 4, 10.0)  # it took an add: the API's num_waiting moves
+    assert step_report_due((3, 0.0), 3, METRICS_INTERVAL)
+
+
+def test_under_stream_interval_the_engine_process_sends_fewer_messages_than_steps(target_model):
+    """Each message wakes the API process; a step whose deltas all wait sends none unless its stats
+    are due. What the client gets is the same 1, 4, 4, ... deltas as in-process."""
+
+    async def scenario(llm):
+        messages: list[int] = []
+        handle = llm._handle
+
+        def counted(message: tuple) -> None:
+            if message[0] == "step":
+                messages.append(len(message[1]) + len(message[2]))
+            handle(message)
+
+        llm._handle = counted
+        start = time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+        deltas = [len(o.outputs[0].token_ids) async for o in llm.generate([1, 2, 3], params, "r")]
+        return deltas, messages, time.monotonic() - start
+
+    deltas, messages, seconds = run_with_engine_process(scenario, model=target_model, stream_interval=4)
+    assert deltas == [1, 4, 4, 4, 4, 4]
+    empty = messages.count(0)
+    # Empty ones only when the stats fell due (every METRICS_INTERVAL) or an add was taken.
+    assert empty <= seconds / METRICS_INTERVAL + 2, (messages, seconds)
 
 
 def engine_pid(server) -> int:

@@ -35,11 +35,13 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
 from kvscale.worker.config import EngineArgs
+from kvscale.worker.engine.async_llm import METRICS_INTERVAL
 from kvscale.worker.engine.engine_info import EngineInfo
 from kvscale.worker.executor.rank_worker import die_with_parent
 
@@ -94,6 +96,15 @@ class _Outbox:
                 sock.close()
 
 
+def step_report_due(sent: tuple[int, float], num_taken: int, now: float) -> bool:
+    """Whether a step without outputs or failures is still reported: when it took an add (the API's
+    num_waiting waits for it) or METRICS_INTERVAL has passed since the last report (the stats, and
+    liveness, which counts the silence). Under --stream-interval most steps have no outputs, and
+    each message wakes the API process."""
+    taken, at = sent
+    return num_taken != taken or now - at >= METRICS_INTERVAL
+
+
 class EngineCoreProc:
     def __init__(self, args: EngineArgs, input_address: str, output_address: str) -> None:
         self.args = args
@@ -111,6 +122,7 @@ class EngineCoreProc:
         # prepare_grammar calls whose compile is still running: call id -> handle.
         self.grammars: dict[int, object] = {}
         self.num_taken = 0  # sequences of added requests taken off the inbox (the API's num_waiting)
+        self._sent = (0, 0.0)  # (num_taken, monotonic time) of the last step or stats message
         self.stopping = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -184,7 +196,10 @@ class EngineCoreProc:
                 continue
             outputs = engine.step()
             failed = {rid: picklable_error(e) for rid, e in engine.take_failed().items()}
-            self.outbox.send(("step", outputs, failed, self._stats(), self.num_taken))
+            now = time.monotonic()
+            if outputs or failed or step_report_due(self._sent, self.num_taken, now):
+                self.outbox.send(("step", outputs, failed, self._stats(), self.num_taken))
+                self._sent = (self.num_taken, now)
 
     def _stats(self) -> tuple:
         engine = self.engine
@@ -192,6 +207,7 @@ class EngineCoreProc:
 
     def _publish_idle(self) -> None:
         self.outbox.send(("stats", self._stats(), self.num_taken))
+        self._sent = (self.num_taken, time.monotonic())
 
     def _take_inbox(self) -> None:
         """Apply every message waiting, without blocking."""
