@@ -110,10 +110,12 @@ def test_refusals_aborts_constraints_and_metrics_cross_the_boundary(target_model
     assert isinstance(json.loads(text)["a"], int)
 
 
-def test_steps_without_outputs_are_reported_only_for_an_add_or_the_stats():
-    assert not step_report_due((3, 10.0), 3, 10.0 + METRICS_INTERVAL / 2)
-    assert step_report_due((3, 10.0), 4, 10.0)  # it took an add: the API's num_waiting moves
-    assert step_report_due((3, 0.0), 3, METRICS_INTERVAL)
+def test_steps_without_outputs_are_reported_only_for_a_change_or_the_stats():
+    state = (3, 2, 0)  # adds taken, running, waiting
+    assert not step_report_due((0.0, state), METRICS_INTERVAL / 2, state)
+    assert step_report_due((0.0, state), 0.0, (4, 2, 0))  # it took an add: the API's num_waiting moves
+    assert step_report_due((0.0, state), 0.0, (3, 1, 1))  # a preemption: the autoscaler's gauges move
+    assert step_report_due((0.0, state), METRICS_INTERVAL, state)
 
 
 def test_under_stream_interval_the_engine_process_sends_fewer_messages_than_steps(target_model):

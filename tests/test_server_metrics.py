@@ -160,10 +160,12 @@ def test_publish_due_batches_steps_but_never_a_finish():
         return RequestOutput("r", None, [1], [], finished)
 
     interval = async_llm.METRICS_INTERVAL
-    assert not publish_due(0.0, interval / 2, [out(False), out(False)])
-    assert publish_due(0.0, interval, [out(False)])
-    assert publish_due(0.0, interval, [])
-    assert publish_due(0.0, 0.0, [out(False), out(True)])
+    counts = (2, 1)  # running, waiting
+    assert not publish_due((0.0, counts), interval / 2, counts, [out(False), out(False)])
+    assert publish_due((0.0, counts), interval, counts, [out(False)])
+    assert publish_due((0.0, counts), interval, counts, [])
+    assert publish_due((0.0, counts), 0.0, counts, [out(False), out(True)])
+    assert publish_due((0.0, counts), 0.0, (3, 0), [out(False)])  # admitted: the gauges never lag
 
 
 def test_a_request_is_counted_by_the_time_its_stream_ends(target_model, monkeypatch):

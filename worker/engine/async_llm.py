@@ -48,16 +48,24 @@ def name_native_thread(name: str) -> None:
         pass  # a name is a convenience; never a reason not to serve
 
 
-# While it steps, the engine thread publishes its metrics at most this often (seconds), and after
-# any step in which a request finished or failed: a client that has its whole answer then finds it
-# counted. Publishing took ~0.1 ms, 3-5 % of a one-stream step; a scrape every few seconds cannot
-# tell 20 ms of batching, and the counters lose nothing (the engine's stats accumulate meanwhile).
+# While it steps, the engine thread publishes its metrics at most this often (seconds), unless a
+# step changed the running or waiting requests (the autoscaler ranks workers by them, the routers
+# read them: they are never stale) or finished or failed one (a client that has its whole answer
+# finds it counted). Publishing took ~0.1 ms, 3-5 % of a one-stream step; the counters lose nothing
+# (the engine's stats accumulate meanwhile), and a scrape cannot tell KV usage 20 ms old.
 METRICS_INTERVAL = 0.02
 
 
-def publish_due(published_at: float, now: float, outputs: list[RequestOutput]) -> bool:
-    """Whether the engine thread publishes its metrics after a step with these outputs."""
-    return now - published_at >= METRICS_INTERVAL or any(o.finished for o in outputs)
+def publish_due(
+    published: tuple[float, tuple[int, int]],
+    now: float,
+    counts: tuple[int, int],
+    outputs: list[RequestOutput],
+) -> bool:
+    """Whether the engine thread publishes its metrics after a step with these outputs, `counts`
+    (running, waiting) now; `published`: (when, counts) of the last publish."""
+    at, published_counts = published
+    return counts != published_counts or now - at >= METRICS_INTERVAL or any(o.finished for o in outputs)
 
 
 class EngineDeadError(RuntimeError):
@@ -108,7 +116,8 @@ class AsyncLLM:
         # that never ends (a step, a command or a metrics update that never returns) is a stuck
         # engine, wherever in the loop it hangs.
         self.busy_since: float | None = None
-        self._published_at = 0.0  # when the engine thread last published its metrics (monotonic)
+        # (monotonic time, (running, waiting)) of the engine thread's last publish of its metrics.
+        self._published: tuple[float, tuple[int, int]] = (0.0, (0, 0))
 
     # -- lifecycle (event loop side) ------------------------------------------------------------
     async def start(self) -> None:
@@ -389,7 +398,9 @@ class AsyncLLM:
             if self._stop:  # shut down while the step ran (shutdown gave up on it): nobody listens
                 return
             failed = engine.take_failed()
-            if failed or publish_due(self._published_at, time.monotonic(), outputs):
+            sched = engine.scheduler
+            counts = (len(sched.running), len(sched.waiting))
+            if failed or publish_due(self._published, time.monotonic(), counts, outputs):
                 self._publish_metrics()
             if outputs:  # none in most steps under --stream-interval: the loop sleeps on
                 loop.call_soon_threadsafe(self._dispatch, outputs)
@@ -414,5 +425,6 @@ class AsyncLLM:
     def _publish_metrics(self) -> None:
         engine = self.engine
         assert engine is not None
-        self._published_at = time.monotonic()
-        self.metrics.record(engine.take_stats(), engine.scheduler.stats(), engine.kv_cache_manager.num_blocks)
+        sched = engine.scheduler.stats()
+        self._published = (time.monotonic(), (sched.num_running, sched.num_waiting))
+        self.metrics.record(engine.take_stats(), sched, engine.kv_cache_manager.num_blocks)

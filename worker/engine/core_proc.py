@@ -96,13 +96,14 @@ class _Outbox:
                 sock.close()
 
 
-def step_report_due(sent: tuple[int, float], num_taken: int, now: float) -> bool:
-    """Whether a step without outputs or failures is still reported: when it took an add (the API's
-    num_waiting waits for it) or METRICS_INTERVAL has passed since the last report (the stats, and
-    liveness, which counts the silence). Under --stream-interval most steps have no outputs, and
-    each message wakes the API process."""
-    taken, at = sent
-    return num_taken != taken or now - at >= METRICS_INTERVAL
+def step_report_due(sent: tuple[float, tuple], now: float, state: tuple) -> bool:
+    """Whether a step without outputs or failures is still reported: when it changed `state`
+    (requests taken off the inbox, which the API's num_waiting waits for; running; waiting) or
+    METRICS_INTERVAL has passed since the last report (the stats, and liveness, which counts the
+    silence). `sent`: (when, state) of the last report. Under --stream-interval most steps have no
+    outputs, and each message wakes the API process."""
+    at, sent_state = sent
+    return state != sent_state or now - at >= METRICS_INTERVAL
 
 
 class EngineCoreProc:
@@ -122,7 +123,7 @@ class EngineCoreProc:
         # prepare_grammar calls whose compile is still running: call id -> handle.
         self.grammars: dict[int, object] = {}
         self.num_taken = 0  # sequences of added requests taken off the inbox (the API's num_waiting)
-        self._sent = (0, 0.0)  # (num_taken, monotonic time) of the last step or stats message
+        self._sent: tuple[float, tuple] = (0.0, ())  # (when, _state()) of the last step or stats message
         self.stopping = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -197,9 +198,14 @@ class EngineCoreProc:
             outputs = engine.step()
             failed = {rid: picklable_error(e) for rid, e in engine.take_failed().items()}
             now = time.monotonic()
-            if outputs or failed or step_report_due(self._sent, self.num_taken, now):
+            if outputs or failed or step_report_due(self._sent, now, self._state()):
                 self.outbox.send(("step", outputs, failed, self._stats(), self.num_taken))
-                self._sent = (self.num_taken, now)
+                self._sent = (now, self._state())
+
+    def _state(self) -> tuple[int, int, int]:
+        """What the API process must never see stale: adds taken, requests running and waiting."""
+        sched = self.engine.scheduler
+        return self.num_taken, len(sched.running), len(sched.waiting)
 
     def _stats(self) -> tuple:
         engine = self.engine
@@ -207,7 +213,7 @@ class EngineCoreProc:
 
     def _publish_idle(self) -> None:
         self.outbox.send(("stats", self._stats(), self.num_taken))
-        self._sent = (self.num_taken, time.monotonic())
+        self._sent = (time.monotonic(), self._state())
 
     def _take_inbox(self) -> None:
         """Apply every message waiting, without blocking."""
