@@ -19,9 +19,8 @@ from server_fixtures import start_server
 from test_engine_vs_hf import assert_greedy_matches, hf_greedy, mixed_prompts
 
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.engine.async_llm import METRICS_INTERVAL
+from kvscale.worker.engine.async_llm import METRICS_INTERVAL, stats_due
 from kvscale.worker.engine.core_client import MPAsyncLLM
-from kvscale.worker.engine.core_proc import step_report_due
 from kvscale.worker.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -112,10 +111,10 @@ def test_refusals_aborts_constraints_and_metrics_cross_the_boundary(target_model
 
 def test_steps_without_outputs_are_reported_only_for_a_change_or_the_stats():
     state = (3, 2, 0)  # adds taken, running, waiting
-    assert not step_report_due((0.0, state), METRICS_INTERVAL / 2, state)
-    assert step_report_due((0.0, state), 0.0, (4, 2, 0))  # it took an add: the API's num_waiting moves
-    assert step_report_due((0.0, state), 0.0, (3, 1, 1))  # a preemption: the autoscaler's gauges move
-    assert step_report_due((0.0, state), METRICS_INTERVAL, state)
+    assert not stats_due((0.0, state), METRICS_INTERVAL / 2, state)
+    assert stats_due((0.0, state), 0.0, (4, 2, 0))  # it took an add: the API's num_waiting moves
+    assert stats_due((0.0, state), 0.0, (3, 1, 1))  # a preemption: the autoscaler's gauges move
+    assert stats_due((0.0, state), METRICS_INTERVAL, state)
 
 
 def test_under_stream_interval_the_engine_process_sends_fewer_messages_than_steps(target_model):
@@ -140,7 +139,7 @@ def test_under_stream_interval_the_engine_process_sends_fewer_messages_than_step
     deltas, messages, seconds = run_with_engine_process(scenario, model=target_model, stream_interval=4)
     assert deltas == [1, 4, 4, 4, 4, 4]
     empty = messages.count(0)
-    # Empty ones only when the stats fell due (every METRICS_INTERVAL) or an add was taken.
+    # Empty ones only when the stats fell due (every METRICS_INTERVAL, an add, a count change).
     assert empty <= seconds / METRICS_INTERVAL + 2, (messages, seconds)
 
 

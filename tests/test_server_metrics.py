@@ -172,7 +172,7 @@ def test_a_request_is_counted_by_the_time_its_stream_ends(target_model, monkeypa
     """The engine thread publishes at most every METRICS_INTERVAL while it steps, but always after a
     step that finished a request: a client holding its whole answer finds it in /metrics, even
     while other requests keep the engine busy. The interval is made an hour here, so that only
-    the finish can have published."""
+    the short request's admission and its finish can have published."""
     monkeypatch.setattr(async_llm, "METRICS_INTERVAL", 3600.0)
 
     async def scenario() -> None:
@@ -196,7 +196,7 @@ def test_a_request_is_counted_by_the_time_its_stream_ends(target_model, monkeypa
             samples = scrape(llm.metrics)
             assert value(samples, "kvscale_requests_finished_total", finished_reason="length") == 1
             assert value(samples, "kvscale_generation_tokens_total") >= 20
-            assert records - before <= 2, "published on steps that finished nothing"
+            assert records - before <= 2, "published on steps that changed nothing"
             await busy.aclose()
         finally:
             await llm.shutdown()

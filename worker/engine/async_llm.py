@@ -56,6 +56,15 @@ def name_native_thread(name: str) -> None:
 METRICS_INTERVAL = 0.02
 
 
+def stats_due(last: tuple[float, tuple], now: float, state: tuple) -> bool:
+    """Whether the engine's stats go out though nothing else sends them: `state` (the request counts
+    the API side must never see stale) changed since `last` = (when, state) of the last time they
+    went out, or METRICS_INTERVAL has passed. The engine thread's publish and the engine process's
+    step messages both follow it."""
+    at, last_state = last
+    return state != last_state or now - at >= METRICS_INTERVAL
+
+
 def publish_due(
     published: tuple[float, tuple[int, int]],
     now: float,
@@ -64,8 +73,7 @@ def publish_due(
 ) -> bool:
     """Whether the engine thread publishes its metrics after a step with these outputs, `counts`
     (running, waiting) now; `published`: (when, counts) of the last publish."""
-    at, published_counts = published
-    return counts != published_counts or now - at >= METRICS_INTERVAL or any(o.finished for o in outputs)
+    return stats_due(published, now, counts) or any(o.finished for o in outputs)
 
 
 class EngineDeadError(RuntimeError):

@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import zmq
 
 from kvscale.worker.config import EngineArgs
-from kvscale.worker.engine.async_llm import METRICS_INTERVAL
+from kvscale.worker.engine.async_llm import stats_due
 from kvscale.worker.engine.engine_info import EngineInfo
 from kvscale.worker.executor.rank_worker import die_with_parent
 
@@ -94,16 +94,6 @@ class _Outbox:
         with self._lock:
             for sock in self._sockets:
                 sock.close()
-
-
-def step_report_due(sent: tuple[float, tuple], now: float, state: tuple) -> bool:
-    """Whether a step without outputs or failures is still reported: when it changed `state`
-    (requests taken off the inbox, which the API's num_waiting waits for; running; waiting) or
-    METRICS_INTERVAL has passed since the last report (the stats, and liveness, which counts the
-    silence). `sent`: (when, state) of the last report. Under --stream-interval most steps have no
-    outputs, and each message wakes the API process."""
-    at, sent_state = sent
-    return state != sent_state or now - at >= METRICS_INTERVAL
 
 
 class EngineCoreProc:
@@ -198,7 +188,11 @@ class EngineCoreProc:
             outputs = engine.step()
             failed = {rid: picklable_error(e) for rid, e in engine.take_failed().items()}
             now = time.monotonic()
-            if outputs or failed or step_report_due(self._sent, now, self._state()):
+            # Under --stream-interval most steps have no outputs, and each message wakes the API
+            # process: such a step sends one only when its stats are due (an add taken, whose
+            # num_waiting the API waits for, a request count changed, or 20 ms passed: liveness
+            # then also hears from a stepping engine that often).
+            if outputs or failed or stats_due(self._sent, now, self._state()):
                 self.outbox.send(("step", outputs, failed, self._stats(), self.num_taken))
                 self._sent = (now, self._state())
 
