@@ -192,9 +192,10 @@ class EngineCoreProc:
             # process: such a step sends one only when its stats are due (an add taken, whose
             # num_waiting the API waits for, a request count changed, or 20 ms passed: liveness
             # then also hears from a stepping engine that often).
-            if outputs or failed or stats_due(self._sent, now, self._state()):
+            state = self._state()
+            if outputs or failed or stats_due(self._sent, now, state):
                 self.outbox.send(("step", outputs, failed, self._stats(), self.num_taken))
-                self._sent = (now, self._state())
+                self._sent = (now, state)
 
     def _state(self) -> tuple[int, int, int]:
         """What the API process must never see stale: adds taken, requests running and waiting."""
