@@ -63,8 +63,8 @@ def paged_decode_attention_unwritten(
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     """Decode attention before the step's own K/V are written: the cached context (positions below
     seq_len - 1) and the token's own key/value share one softmax. Pure tensor code with no side
-    effect, so that the compiled decode graph holds attention too; the cache is written after the
-    forward. Same result as write_kv_cache + paged_decode_attention, up to float rounding.
+    effect, so that the compiled decode graph holds attention too; the graph writes the cache after
+    every layer has read it. Same result as write_kv_cache + paged_decode_attention, up to float rounding.
 
     Under torch.compile the context is read through the block table in place: the products with
     the indexed cache are written as broadcast multiply-and-sum, which inductor fuses into one loop

@@ -196,6 +196,52 @@ def test_every_step_shape_runs_a_compiled_graph(target_model, package_cache):
     assert forward.eager_fallbacks == 0
 
 
+def _peak_rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_the_decode_graph_writes_the_step_into_the_cache_in_place(target_model, package_cache):
+    """The decode graphs write the step's keys and values into the caches they are given, in
+    place: never into a copy of the pool. A copy would touch a pool-sized buffer, so the check is
+    the process's peak resident memory around one call (Linux resets it on request), with a pool
+    of zero pages that cost no memory until written."""
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(package_cache), **KW)
+    forward = llm.engine.runner.model.compiled
+    decode1 = forward.runners["decode1"]
+    captured = {}
+
+    class Capture:
+        def boxed_run(self, inputs):
+            captured.setdefault("inputs", list(inputs))
+            return decode1.boxed_run(inputs)
+
+    forward.runners["decode1"] = Capture()
+    generate(llm, [[0, 11, 12, 13]], max_tokens=4)
+    inputs = captured["inputs"]
+    caches = inputs[7:]
+    assert len(caches) == 2 * llm.engine.runner.spec.num_layers
+    slot = int(inputs[6][0])
+    heads, _, block_size, head_dim = caches[0].shape
+    pool_blocks = (32 << 20) // (heads * block_size * head_dim * caches[0].element_size())
+    big = [torch.zeros(heads, pool_blocks, block_size, head_dim, dtype=c.dtype) for c in caches]
+    pool_kib = sum(c.numel() * c.element_size() for c in big) >> 10
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set starts again from now
+    before = _peak_rss_kib()
+    logits = decode1.boxed_run(inputs[:7] + big)[0]
+    grew = _peak_rss_kib() - before
+    assert logits.shape == (1, llm.engine.runner.spec.vocab_size)
+    for cache in big:  # the step's keys and values are in the caller's tensors, at its slot
+        flat = cache.view(heads, -1, head_dim)
+        assert flat[:, slot].abs().sum() > 0
+        flat[:, slot] = 0
+        assert not cache.any()  # and nowhere else
+    assert grew < pool_kib // 8, (
+        f"the peak memory grew {grew} KiB in one call: the {pool_kib} KiB pool was copied"
+    )
+
+
 def test_decode_graphs_run_with_the_gil_released(target_model, package_cache):
     """The decode graphs run through the model library's C ABI (model/aoti_runner.py), which lets
     other Python threads run during the forward: torch's own runner holds the GIL for all of it,
@@ -326,7 +372,8 @@ def test_decode_steps_with_adapters_run_the_lora_graph(
 
         def boxed_run(self, inputs):
             window = (
-                inputs[6 + 2 * llm.engine.runner.spec.num_layers].shape[0]
+                # after the 7 decode inputs (compilation.CompiledForward) and the caches
+                inputs[7 + 2 * llm.engine.runner.spec.num_layers].shape[0]
                 if self.name == "decode_lora"
                 else 0
             )

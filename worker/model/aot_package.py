@@ -59,8 +59,9 @@ logger = logging.getLogger(__name__)
 
 # Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
 # 2: the decode graphs return logits (the LM head inside); 3: decode_small; 4: 16-bit weights keep
-# the library's product in decode_small (layers/linear.py)
-FORMAT_VERSION = 4
+# the library's product in decode_small (layers/linear.py); 5: the decode graphs write the step's
+# keys and values into the cache themselves (a slot-mapping input; logits the only output)
+FORMAT_VERSION = 5
 GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
 # Run through the C ABI with the GIL released (aoti_runner.py): the graphs that call no Python.
@@ -220,13 +221,16 @@ def _wrappers(model) -> dict[str, torch.nn.Module]:
 class _Decode(torch.nn.Module):
     """forward_tokens with attention and the LM head in the graph, over flat inputs (AOTInductor
     takes tensors): after the KV caches, for decode_lora, LoRASlotTable.graph_inputs' tensors.
-    Returns every row's logits, then each layer's new keys and values."""
+    Returns every row's logits. The step's keys and values are written into the caches (inputs
+    mutated in place: AOTInductor writes into the caller's tensors, the pool is never copied) after
+    every layer has read them, so attention sees the cache as it was before the step."""
 
     def __init__(self, model) -> None:
         super().__init__()
         self.m = model
 
-    def forward(self, input_ids, positions, cos, sin, block_tables, seq_lens, *rest):
+    def forward(self, input_ids, positions, cos, sin, block_tables, seq_lens, slot_mapping, *rest):
+        from kvscale.kernels.kv_cache import write_kv_cache
         from kvscale.worker.model.llama import DecodeInputs
 
         kv, lora = rest[: 2 * self.m.spec.num_layers], rest[2 * self.m.spec.num_layers :]
@@ -238,7 +242,9 @@ class _Decode(torch.nn.Module):
             rope=(cos, sin),
             lora=_packed_lora(self.m, lora),
         )
-        return self.m.compute_logits(hidden), *(t for pair in new_kv for t in pair)
+        for (k_cache, v_cache), (k, v) in zip(caches, new_kv, strict=True):
+            write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return self.m.compute_logits(hidden)
 
 
 def _packed_lora(model, inputs: tuple):
@@ -287,6 +293,7 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
     ids = torch.zeros(batch, dtype=torch.long)
     tables = torch.zeros(batch, 3, dtype=torch.long)
     lens = torch.ones(batch, dtype=torch.long)
+    slot_mapping = torch.arange(batch, dtype=torch.long)
     # decode_lora takes a single sequence too (one stream on an adapter): batch from 1.
     b = {
         "decode1": None,
@@ -295,12 +302,13 @@ def _example_inputs(model, dtype: torch.dtype, block_size: int, graph: str):
         "decode_lora": Dim("batch", min=1),
     }[graph]
     per_seq = {} if b is None else {0: b}
-    dims = (per_seq, per_seq, {0: rope_dim}, {0: rope_dim}, {**per_seq, 1: blocks}, per_seq)
+    dims = (per_seq, per_seq, {0: rope_dim}, {0: rope_dim}, {**per_seq, 1: blocks}, per_seq, per_seq)
     rest, rest_dims = kv, [{1: pool} for _ in kv]
     if graph == "decode_lora":
         lora, lora_dims = _example_lora_inputs(model, dtype, batch, b)
         rest, rest_dims = rest + lora, rest_dims + lora_dims
-    return (ids, ids.clone(), cos, sin, tables, lens, *rest), (*dims, tuple(rest_dims))  # *rest: one
+    inputs = (ids, ids.clone(), cos, sin, tables, lens, slot_mapping, *rest)
+    return inputs, (*dims, tuple(rest_dims))  # *rest: one
 
 
 def _example_lora_inputs(model, dtype: torch.dtype, num_tokens: int, tokens):

@@ -9,9 +9,10 @@ the graph depends on the number of tokens alone. Decode-only steps (every sequen
 token: the steady state) go further: attention runs inside the graph too
 (`LlamaForCausalLM.forward_decode`, kernels/paged_attention.py's `paged_decode_attention_unwritten`,
 which inductor turns into one loop nest per layer reading the paged cache in place), with no Python
-between layers, and the step's keys and values are cached after it. It computes every sequence
-over the longest one's blocks, so a step whose lengths spread too far (`forward_batch.in_graph_decode`)
-keeps the backend's length buckets. Four graphs cover every step (aot_package.py builds them):
+between layers, and the graph writes the step's keys and values into the cache after every layer
+has read it. It computes every sequence over the longest one's blocks, so a step whose lengths
+spread too far (`forward_batch.in_graph_decode`) keeps the backend's length buckets. Four graphs
+cover every step (aot_package.py builds them):
 
 - decode-only with attention and the LM head in the graph: 1 token (one stream, static shapes),
   2 to 8, and 9 or more (dynamic batch, context length and pool size). Each has the products that
@@ -117,7 +118,7 @@ class CompiledForward:
     """`forward_tokens(input_ids, positions, decode)` through a package's AOTInductor runners
     (aot_package.load_package); the model's rotary tables are passed in on every call. With
     `decode`, what comes back is every row's logits (the LM head runs inside the decode graphs),
-    not hidden states."""
+    not hidden states, and the step's keys and values are in the cache (the graphs write them)."""
 
     def __init__(self, model, runners: dict) -> None:
         self.model = model
@@ -141,6 +142,7 @@ class CompiledForward:
                 model.rope_sin,
                 decode.block_tables,
                 decode.seq_lens,
+                decode.slot_mapping,
             ]
             for k, v in decode.kv_caches:
                 inputs += (k, v)
@@ -149,7 +151,7 @@ class CompiledForward:
                 out = self.runners["decode_lora"].boxed_run(inputs + lora)
             else:
                 out = self.runners[decode_graph(n)].boxed_run(inputs)
-            return out[0], [(out[i], out[i + 1]) for i in range(1, len(out), 2)]
+            return out[0]
         if lora is not None:
             self.lora_steps += 1
             return self.runners["chunk_lora"].boxed_run(

@@ -118,8 +118,11 @@ def in_graph_decode(common: CommonAttentionMetadata) -> bool:
     """Whether a decode-only step takes the compiled graph's own decode attention rather than the
     backend's length buckets: when padding every sequence to the longest costs at most
     MAX_DECODE_PADDING times the real work (in blocks)."""
-    if common.num_decodes != common.seq_lens.shape[0]:
+    num_seqs = common.seq_lens.shape[0]
+    if common.num_decodes != num_seqs:
         return False
+    if num_seqs == 1:  # no padding: one stream's every step, without numpy's cost
+        return True
     blocks = -(-common.seq_lens.numpy() // common.block_size)  # numpy: a few µs, every step
     return int(blocks.max()) * blocks.shape[0] <= MAX_DECODE_PADDING * int(blocks.sum())
 

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from kvscale.kernels.dispatch import apply_rotary_embedding, fused_add_rms_norm, rms_norm
-from kvscale.kernels.kv_cache import write_kv_cache
 from kvscale.kernels.paged_attention import paged_decode_attention_unwritten
 from kvscale.worker.model.attention.backend import AttentionBackend
 from kvscale.worker.model.attention.unified_attention import unified_attention
@@ -199,11 +198,13 @@ class DecoderLayer(nn.Module):
 @dataclass
 class DecodeInputs:
     """A decode-only step's attention inputs, for attention inside the compiled graph (no opaque op,
-    no Python per layer): block tables padded to the longest sequence, context lengths, the caches."""
+    no Python per layer): block tables padded to the longest sequence, context lengths, the caches,
+    and the slots the graph writes the step's keys and values to."""
 
     block_tables: torch.Tensor  # [B, max_blocks]
     seq_lens: torch.Tensor  # [B]: tokens incl. this step's one
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor | None = None  # [B]; None while tracing (the graph's own input)
 
 
 @dataclass
@@ -293,16 +294,13 @@ class LlamaForCausalLM(nn.Module):
         compiled=None,
         lora: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Every row's logits of a decode-only step through the compiled graph, with attention
-        and the LM head inside it; the step's keys and values are written to the cache after it
+        """Every row's logits of a decode-only step through the compiled graph, with attention,
+        the LM head and the write of the step's keys and values into the cache inside it
         (model/compilation.py). `compiled`: the compiled forward the caller chose for the step
         (default: the model's); `lora`: the step's adapter rows as the LoRA graphs take them
         (LoRASlotTable.graph_inputs)."""
-        decode = DecodeInputs(block_tables, seq_lens, kv_caches)
-        logits, new_kv = (compiled or self.compiled)(input_ids, positions, decode, lora)
-        for (k_cache, v_cache), (k, v) in zip(kv_caches, new_kv, strict=True):
-            write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return logits
+        decode = DecodeInputs(block_tables, seq_lens, kv_caches, slot_mapping)
+        return (compiled or self.compiled)(input_ids, positions, decode, lora)
 
     def forward_tokens(
         self,

@@ -422,13 +422,15 @@ class ModelRunner:
         logits = self.forward(chunks, num_logits, token_fill)
 
         step = LaunchedStep(len(out.requests), plain, spec)
-        # Logit rows come chunk after chunk; split them between the two samplers.
-        offsets = np.concatenate([[0], np.cumsum(num_logits)])
+        # Logit rows come chunk after chunk; split them between the two samplers. Not needed when
+        # every row is a plain one (numpy costs tens of µs here, its memory cold after the forward).
+        every_row_plain = len(plain) == logits.shape[0] and not prompt_rows and not spec
+        offsets = None if every_row_plain else np.concatenate([[0], np.cumsum(num_logits)])
         if plain:
             requests = [out.requests[i] for i in plain]
             grammar = out.grammar_bitmask
             plain_logits = logits  # every logit row is a plain one, in order, unless others share the step
-            if len(plain) != logits.shape[0]:
+            if offsets is not None:
                 last_rows = offsets[np.asarray(plain) + 1] - 1  # a plain chunk's one row is its last
                 plain_logits = logits[torch.from_numpy(last_rows).to(self.device)]
             if grammar is None and all(plain_greedy(r) for r in requests):
