@@ -184,6 +184,31 @@ def test_least_loaded_orders_by_requests_then_kv():
     assert least_loaded(pods, 3) == ("e", "c", "b")
 
 
+def test_least_loaded_ranks_on_the_window_not_one_scrape():
+    """Short requests: a scrape can find the busier worker between two of them. The e2e scale-down
+    once removed the worker with three streams for the one with one that way."""
+
+    def at(t: float, busy_running: float, light_running: float) -> Sample:
+        return Sample(
+            t,
+            (
+                PodLoad("busy", "ready", 0.3, 0, busy_running),
+                PodLoad("light", "ready", 0.1, 0, light_running),
+            ),
+        )
+
+    window = [at(t, 3, 1) for t in range(9)] + [at(9, 0, 1)]  # the last scrape: busy between requests
+    assert least_loaded(window[-1].pods, 1) == ("busy",)  # one instant's ranking
+    assert least_loaded(window[-1].pods, 1, window) == ("light",)
+    # A worker the window never read (it just turned ready) is ranked on the latest scrape.
+    fresh = (*window[-1].pods, PodLoad("fresh", "ready", 0.0, 0, 2))
+    assert least_loaded(fresh, 3, window) == ("light", "fresh", "busy")
+    # decide passes its down-window: the same history, scaled down, removes the light worker.
+    p = Params(min_replicas=1, max_replicas=4, target_kv_usage=0.8, down_window_s=8, up_window_s=2)
+    d = decide(window, 2, p)
+    assert d.replicas == 1 and d.victims == ("light",), d
+
+
 # -- properties ---------------------------------------------------------------------------------
 
 frames_st = st.lists(

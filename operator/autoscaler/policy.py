@@ -399,19 +399,32 @@ def _projected(history: Sequence[Sample], now: float, params: Params, demand: fl
     return demand + trend.slope * lookahead, f", rising {trend.slope * 60:.1f} workers/min"
 
 
-def least_loaded(pods: Sequence[PodLoad], count: int) -> tuple[str, ...]:
+def least_loaded(pods: Sequence[PodLoad], count: int, window: Sequence[Sample] = ()) -> tuple[str, ...]:
     """The `count` pods to remove: first those that are not coming (STUCK: the ReplicaSet
     controller removes unscheduled and not-ready pods first anyway), then the ready workers with
     the least work in flight: fewest requests (running and waiting: what its drain must finish),
     then least KV usage. Pods already marked come first among the ready: a scale-down marks its
     victims one tick and writes the count the next (scaler._scale), so a ranking that shifted in
-    between must not name new victims and put the write off again."""
+    between must not name new victims and put the write off again.
+
+    `window`: the samples the decision rests on (the down-window). A worker's load is its mean over
+    the samples that read it: one scrape of short requests can catch a busy worker between two
+    of them, and an instant's ranking then names the wrong victim."""
+    readings: dict[str, list[tuple[float, float]]] = {}
+    for sample in window:
+        for p in sample.pods:
+            if p.state == "ready" and p.running is not None:
+                readings.setdefault(p.name, []).append(
+                    ((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0)
+                )
+
+    def load(p: PodLoad) -> tuple[float, float]:
+        seen = readings.get(p.name) or [((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0)]
+        return sum(r for r, _ in seen) / len(seen), sum(kv for _, kv in seen) / len(seen)
+
     stuck = sorted(p.name for p in pods if p.state in STUCK)
     ready = [p for p in pods if p.state == "ready"]
-    ranked = sorted(
-        ready,
-        key=lambda p: (not p.marked, (p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0, p.name),
-    )
+    ranked = sorted(ready, key=lambda p: (not p.marked, *load(p), p.name))
     return tuple([*stuck, *(p.name for p in ranked)][:count])
 
 
@@ -495,7 +508,7 @@ def decide(history: Sequence[Sample], current: int, params: Params, now: float |
         if fit < current:
             target = max(lo, fit, current - params.max_down_step)
             if target < current:
-                victims = least_loaded(history[-1].pods, current - target)
+                victims = least_loaded(history[-1].pods, current - target, down_samples)
                 return Decision(
                     target,
                     f"scale down {current} -> {target}: load fits on {fit} for "
