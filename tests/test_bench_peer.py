@@ -168,3 +168,16 @@ def test_probes_run_only_when_asked():
     assert all(p["n"] >= 3 for p in level["probe_ms"].values()), level["probe_ms"]  # ~140 ms of streams
     level, _ = asyncio.run(_level_against_a_stream_without_usage(False, probe_interval=0.0))
     assert "probe_ms" not in level
+
+
+def test_offline_engines_build_the_compiled_forward_before_any_round():
+    """On a machine with no cached package, a compile behind ran through the measured rounds of a
+    run (its llama.cpp round fell to an eighth): the benchmark's engines compile in the foreground."""
+    from types import SimpleNamespace
+
+    from kvscale.worker.bench.serve import offline_engine_args
+
+    args = SimpleNamespace(
+        max_num_batched_tokens=2048, num_kv_blocks=None, device="cpu", dtype="auto", stream_interval=1
+    )
+    assert offline_engine_args(args, 8)["compile_in_background"] is False

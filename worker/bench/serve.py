@@ -392,8 +392,12 @@ def measure_level(
 
 # -- the benchmark -----------------------------------------------------------------------------
 def offline_engine_args(args, max_num_seqs: int) -> dict[str, Any]:
-    """The offline engine's args from the benchmark's flags."""
+    """The offline engine's args from the benchmark's flags. The benchmark's first engine is an
+    offline one, and it builds the compiled forward in the foreground where no package is cached:
+    built behind, a compile would run through the measured rounds (and every server and offline
+    engine after it would start one of its own until one finished)."""
     return {
+        "compile_in_background": False,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_kv_blocks": args.num_kv_blocks,
