@@ -410,16 +410,18 @@ def least_loaded(pods: Sequence[PodLoad], count: int, window: Sequence[Sample] =
     `window`: the samples the decision rests on (the down-window). A worker's load is its mean over
     the samples that read it: one scrape of short requests can catch a busy worker between two
     of them, and an instant's ranking then names the wrong victim."""
+
+    def reading(p: PodLoad) -> tuple[float, float]:  # (requests in flight, KV usage) at one scrape
+        return (p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0
+
     readings: dict[str, list[tuple[float, float]]] = {}
     for sample in window:
         for p in sample.pods:
             if p.state == "ready" and p.running is not None:
-                readings.setdefault(p.name, []).append(
-                    ((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0)
-                )
+                readings.setdefault(p.name, []).append(reading(p))
 
     def load(p: PodLoad) -> tuple[float, float]:
-        seen = readings.get(p.name) or [((p.running or 0.0) + (p.waiting or 0.0), p.kv_usage or 0.0)]
+        seen = readings.get(p.name) or [reading(p)]
         return sum(r for r, _ in seen) / len(seen), sum(kv for _, kv in seen) / len(seen)
 
     stuck = sorted(p.name for p in pods if p.state in STUCK)
