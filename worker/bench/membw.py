@@ -67,12 +67,12 @@ def bandwidth(mib: int, iters: int) -> dict[str, float]:
 
 def decode_bytes_per_token(model) -> int:
     """The weight bytes one decode step reads: every parameter, less the embedding table (one row
-    of it is read) unless the LM head shares it."""
+    of it is read) unless the LM head shares it (a tied head packed for the CPU is a copy of its own)."""
     params = dict(model.named_parameters(remove_duplicate=True))
     total = sum(p.numel() * p.element_size() for p in params.values())
     embed = next((p for name, p in params.items() if "embed_tokens" in name), None)
     head = next((p for name, p in params.items() if name.endswith("lm_head.weight")), None)
-    if embed is not None and head is not None and embed.data_ptr() != head.data_ptr():
+    if embed is not None and head is not None and head is not embed:
         total -= embed.numel() * embed.element_size() - embed.shape[-1] * embed.element_size()
     return total
 

@@ -53,15 +53,16 @@ from pathlib import Path
 import torch
 
 from kvscale.worker.model.aoti_runner import AOTIError, ReleasedGILRunner
-from kvscale.worker.model.layers.linear import SMALL_ROWS
+from kvscale.worker.model.layers.linear import SMALL_ROWS, pack_weights, packs
 
 logger = logging.getLogger(__name__)
 
 # Bumped whenever what a package holds, or how it is called, changes: older packages are not found.
 # 2: the decode graphs return logits (the LM head inside); 3: decode_small; 4: 16-bit weights keep
 # the library's product in decode_small (layers/linear.py); 5: the decode graphs write the step's
-# keys and values into the cache themselves (a slot-mapping input; logits the only output)
-FORMAT_VERSION = 5
+# keys and values into the cache themselves (a slot-mapping input; logits the only output); 6: the
+# CPU's weights are oneDNN-packed constants (layers/linear.py pack_weights)
+FORMAT_VERSION = 6
 GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
 # Run through the C ABI with the GIL released (aoti_runner.py): the graphs that call no Python.
@@ -146,6 +147,7 @@ def artefact_key(spec, dtype: torch.dtype, block_size: int, lora: bool = False) 
         "block_size": block_size,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "packed_weights": packs(dtype),  # the graphs take oneDNN-packed weights (layers/linear.py)
     }
 
 
@@ -156,7 +158,8 @@ def key_digest(key: dict) -> str:
 def refusal(saved: dict, wanted: dict, host_flags: frozenset[str]) -> str | None:
     """Why a package whose key file says `saved` must not be loaded where `wanted` is this worker's
     key and host_flags this CPU's flags; None: it may. Pure."""
-    for field in ("format", "torch", "cpu_capability", "dtype", "block_size", "model", "lora"):
+    fields = ("format", "torch", "cpu_capability", "dtype", "block_size", "model", "lora", "packed_weights")
+    for field in fields:
         if saved.get(field) != wanted.get(field):
             return f"built for {field} {saved.get(field)!r}, this worker has {wanted.get(field)!r}"
     missing = sorted(set(saved.get("cpu_flags", [])) - host_flags)
@@ -341,6 +344,22 @@ def cpu_arch_flags() -> str:
     return "" if not isa else isa.build_arch_flags()
 
 
+@contextlib.contextmanager
+def _packed_constants():
+    """Let inductor take oneDNN-packed weights as constants. Unlifting the exported graph clones
+    every constant with its strides, which an opaque oneDNN tensor has none of; a weight is never
+    written, so the packed one is used as it is. The package holds no constant (the worker hands
+    its own over at load), only the call of the packed product (`aoti_torch_cpu__linear_pointwise`)."""
+    from torch._inductor import compile_fx
+
+    clone = compile_fx.clone_preserve_strides
+    compile_fx.clone_preserve_strides = lambda t: t if t.is_mkldnn else clone(t)
+    try:
+        yield
+    finally:
+        compile_fx.clone_preserve_strides = clone
+
+
 def build_package(
     model,
     dtype: torch.dtype,
@@ -378,11 +397,12 @@ def build_package(
                 exported = torch.export.export(wrappers[graph], args, dynamic_shapes=dynamic)
             step = f"compiling graph {i + 1}/{len(graphs)} ({graph})"
             progress(f"{step}: exported in {time.monotonic() - started:.1f} s")
-            torch._inductor.aoti_compile_and_package(
-                exported,
-                package_path=str(scratch / f"{graph}.pt2"),
-                inductor_configs={"aot_inductor.package_constants_in_so": False},
-            )
+            with _packed_constants():
+                torch._inductor.aoti_compile_and_package(
+                    exported,
+                    package_path=str(scratch / f"{graph}.pt2"),
+                    inductor_configs={"aot_inductor.package_constants_in_so": False},
+                )
             progress(f"{step}: done in {time.monotonic() - started:.1f} s")
         (scratch / KEY_FILE).write_text(json.dumps(key, indent=1, sort_keys=True))
         wanted = json.loads(json.dumps(artefact_key(model.spec, dtype, block_size, lora)))
@@ -465,6 +485,7 @@ def build_for_model(
         model = LlamaForCausalLM(config, max_position=64)
     model.tie_weights()
     allocate_parameters(model, cpu, dtype)  # never written: the package holds code, not weights
+    pack_weights(model)  # as load_model does: the graphs take the packed weights
     model.init_rope(cpu)
     key = artefact_key(model.spec, dtype, block_size, lora)
     with build_lock(cache_dir, progress):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from kvscale.worker.model.layers.linear import pack_weights
 from kvscale.worker.model.llama import LlamaForCausalLM
 from kvscale.worker.model.mapped_reader import LoadProgress, read_mapped
 from kvscale.worker.sample.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
@@ -115,6 +116,8 @@ def load_model(
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights for: {', '.join(missing[:8])}")
+    if tp is None:
+        pack_weights(model)  # the CPU's blocked layout (layers/linear.py); a no-op elsewhere
     model.init_rope(device)
     model.eval()
     seconds = time.monotonic() - started

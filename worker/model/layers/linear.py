@@ -16,6 +16,15 @@ streaming it far below the machine's read bandwidth. Measured on this project's 
   isolation but lost inside the decode graph: 27 against 24 ms a step at 64 sequences), and every
   non-CPU device: `F.linear`.
 
+**Packed weights** (`pack_weights`, after loading, on the CPU without tensor parallelism): each
+weight is replaced by oneDNN's blocked copy of itself (`mkldnn._reorder_linear_weight`), and every
+product takes `mkldnn._linear_pointwise`, at any row count, eagerly and in the graphs (AOTInductor
+calls it through its C shim). The library's product of a plain weight re-lays the
+weight out on every call, which is most of its cost at a few rows: all 25 weights of the fixture
+model at 8 rows, bfloat16, eagerly: 2.29 -> 1.04 ms (docs/benchmarks.md, "Packed weights"). Same
+memory: the packed copy replaces the plain one (a tied LM head gets its own, the embedding keeps
+the plain table). bfloat16 only (`packs`).
+
 In a graph, the row count is a symbol: a path is taken only where it is provable from the graph's
 bounds (`statically_known_true`), so choosing one never adds a guard the export would refuse.
 """
@@ -28,6 +37,31 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 SMALL_ROWS = (2, 8)
 MIN_WEIGHT_ELEMENTS = 1 << 18  # smaller weights stay in cache, where the library's kernel is fine
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether CPU weights of this dtype are packed (`pack_weights`). bfloat16 only: packed
+    float32 weights win from 8 rows up too, but lose the one-row graph's fused reduction (2.4-2.6
+    against 1.6-2.2 ms a step, docs/benchmarks.md), and a plain copy beside the packed one would
+    double the weights' memory. float16: oneDNN's kernels need CPU features we cannot count on."""
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and not weight.is_mkldnn and packs(weight.dtype)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Replace every packable Linear's weight by its oneDNN-packed copy, one at a time (the plain
+    one is freed unless tied elsewhere, as the LM head is to the embedding). For a model served
+    without tensor parallelism: a row-parallel layer's all-reduce takes the plain weight.
+    Returns how many were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and getattr(module, "tp", None) is None and can_pack(module.weight):
+            module.pack()
+            packed += 1
+    return packed
 
 
 def product_kind(
@@ -48,7 +82,13 @@ def product_kind(
 
 
 class Linear(nn.Linear):
+    def pack(self) -> None:
+        plain = self.weight.detach()
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(plain), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         kind = "library"
         if x.device.type == "cpu" and x.dim() == 2:
             kind = product_kind(
