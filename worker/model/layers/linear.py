@@ -21,7 +21,7 @@ weight is replaced by oneDNN's blocked copy of itself (`mkldnn._reorder_linear_w
 product takes `mkldnn._linear_pointwise`, at any row count, eagerly and in the graphs (AOTInductor
 calls it through its C shim). The library's product of a plain weight re-lays the
 weight out on every call, which is most of its cost at a few rows: all 25 weights of the fixture
-model at 8 rows, bfloat16, eagerly: 2.29 -> 1.04 ms (docs/benchmarks.md, "Packed weights"). Same
+model at 8 rows, bfloat16, eagerly: 2.29 -> 1.08 ms (docs/benchmarks.md, "Packed bfloat16 weights"). Same
 memory: the packed copy replaces the plain one (a tied LM head gets its own, the embedding keeps
 the plain table). bfloat16 only (`packs`).
 
