@@ -117,6 +117,7 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {model_path!r} lacks weights for: {', '.join(missing[:8])}")
     if tp is None:
+        del params  # its references would keep every plain weight alive beside its packed copy
         pack_weights(model)  # the CPU's blocked layout (layers/linear.py); a no-op elsewhere
     model.init_rope(device)
     model.eval()
