@@ -151,10 +151,14 @@ def test_a_refused_package_is_not_loaded_and_is_built_anew(
         "compile_command",
         lambda *a: commands.append(a) or [sys.executable, "-c", "raise SystemExit(3)"],
     )
+    threads = torch.get_num_threads()
     llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(cache), **KW)
     assert llm.engine.runner.model.compiled is None
     assert commands and commands[0][3] == cache  # a build behind, into the same cache
     llm.engine.shutdown()
+    # The core the build had is given back: it once stayed taken, and the next engine in this
+    # process ran its graphs on another OpenMP team size than the threads it started.
+    assert torch.get_num_threads() == threads
 
 
 def generate(llm: LLM, prompts, **params) -> list[list[int]]:

@@ -296,9 +296,15 @@ class ModelRunner:
         return "eager" if getattr(self.model, "compiled", None) is None else "compiled"
 
     def stop_compile(self) -> None:
-        """End a build still running (the worker is going away)."""
+        """End a build still running (the worker is going away), and give its core back: the thread
+        count is the process's, and an engine made after this one (offline, in tests, in the
+        benchmarks) would otherwise run on one thread fewer, or with another OpenMP team size than
+        threads it starts (a graph's reductions then split differently)."""
         if self.compiler is not None:
             self.compiler.stop()
+        if self._serving_threads is not None:
+            torch.set_num_threads(self._serving_threads)
+            self._serving_threads = None
 
     # -- KV cache ----------------------------------------------------------------------------
     def _size_kv_cache(self, args: EngineArgs) -> int:
