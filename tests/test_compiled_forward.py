@@ -274,8 +274,12 @@ def test_decode_graphs_run_with_the_gil_released(target_model, package_cache):
     expected = decoden.boxed_run(list(captured["inputs"]))[0]
 
     ticks, done, during = [0], threading.Event(), {}
+    threads = torch.get_num_threads()
 
     def in_forward():
+        # The OpenMP team size is per thread, and a new thread starts at OpenMP's default: the same
+        # team as the forward above, or its reductions may split differently (a few bits apart).
+        torch.set_num_threads(threads)
         before = ticks[0]
         for _ in range(20):
             during["logits"] = decoden.boxed_run(list(captured["inputs"]))[0]

@@ -234,7 +234,9 @@ def _health_while_compiling(base_url: str, model: str, spy, name: str) -> list[f
     # The deadline (1.5 s) may pass on a loaded machine: then a 408, never a 5xx, and the probe held.
     assert status in (200, 408), body[:300]
     seconds = spy.seconds.get(json.dumps(heavy, sort_keys=True), 0.0)
-    assert seconds > 0.2 or status == 408, seconds  # the probe ran during a real compile
+    # The probe ran during a real compile (a cache hit takes ~0): 0.1 s, since a fast host compiled
+    # this schema in 0.19993 s, under the 0.2 s this once asked.
+    assert seconds > 0.1 or status == 408, seconds
     assert len(worst) > 5
     return worst
 
