@@ -280,9 +280,7 @@ class ModelRunner:
         if compiler is None or not compiler.done.is_set():
             return
         self.compiler = None
-        if self._serving_threads is not None:  # the build's core comes back to serving
-            torch.set_num_threads(self._serving_threads)
-            self._serving_threads = None
+        self._give_back_core()
         if compiler.result is None:
             return  # the build failed (logged): the forward stays eager
         self.model.compiled = compiler.result
@@ -302,6 +300,10 @@ class ModelRunner:
         threads it starts (a graph's reductions then split differently)."""
         if self.compiler is not None:
             self.compiler.stop()
+        self._give_back_core()
+
+    def _give_back_core(self) -> None:
+        """The core a build behind reserved comes back to serving."""
         if self._serving_threads is not None:
             torch.set_num_threads(self._serving_threads)
             self._serving_threads = None
