@@ -200,6 +200,51 @@ def test_every_step_shape_runs_a_compiled_graph(target_model, package_cache):
     assert forward.eager_fallbacks == 0
 
 
+def test_the_decode_graphs_argmax_is_torchs_and_the_runner_takes_it(target_model, package_cache, monkeypatch):
+    """The decode graphs return each row's argmax beside the logits (the greedy token, reduced inside
+    the graph): it picks what torch.argmax picks of those logits, ties (the first) and NaN (which
+    wins) included, at 1, 2-8 and 9+ rows; and a greedy decode step samples it, with no argmax of
+    its own on the host."""
+    llm = LLM(target_model, enforce_eager=False, compile_cache_dir=str(package_cache), **KW)
+    forward = llm.engine.runner.model.compiled
+    runners = dict(forward.runners)
+    captured: dict[str, list[torch.Tensor]] = {}
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def boxed_run(self, inputs):
+            captured.setdefault(self.name, list(inputs))
+            return runners[self.name].boxed_run(inputs)
+
+    host_argmax = []
+    monkeypatch.setattr(model_runner, "argmax_rows", lambda x: host_argmax.append(x.shape[0]) or x.argmax(-1))
+    forward.runners = {name: Capture(name) for name in runners}
+    for k in (1, 5, 12):
+        host_argmax.clear()
+        ours = generate(llm, [[0, *range(20 + i, 40 + i)] for i in range(k)], max_tokens=6)
+        assert all(len(t) == 6 for t in ours)
+        assert len(host_argmax) == 1  # the prefill step's alone: every decode step took the graph's
+    forward.runners = runners
+    weight = llm.engine.runner.model.lm_head.weight  # the graphs read the model's own tensors
+    original = weight.detach().clone()
+    for case in ("as computed", "ties", "nan"):
+        if case == "ties":
+            weight.data.zero_()  # every logit 0: the first index wins
+        elif case == "nan":
+            weight.data.copy_(original)
+            weight.data[[17, 30]] = float("nan")  # NaN logits there: the first NaN wins
+        for name in ("decode1", "decode_small", "decoden"):
+            logits, argmax = runners[name].boxed_run(list(captured[name]))[:2]
+            assert torch.equal(argmax, logits.argmax(dim=-1)), (case, name)
+            if case == "ties":
+                assert not logits.any() and not argmax.any()
+            elif case == "nan":  # (a row whose input is token 17 or 30 has NaN everywhere: index 0)
+                partly = ~logits.isnan().all(dim=-1)
+                assert partly.any() and (argmax[partly] == 17).all()
+
+
 def _peak_rss_kib() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))

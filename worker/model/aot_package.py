@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 # 2: the decode graphs return logits (the LM head inside); 3: decode_small; 4: 16-bit weights keep
 # the library's product in decode_small (layers/linear.py); 5: the decode graphs write the step's
 # keys and values into the cache themselves (a slot-mapping input; logits the only output); 6: the
-# CPU's weights are oneDNN-packed constants (layers/linear.py pack_weights)
-FORMAT_VERSION = 6
+# CPU's weights are oneDNN-packed constants (layers/linear.py pack_weights); 7: the decode graphs
+# return each row's argmax after the logits (the greedy token, reduced where the logits are hot)
+FORMAT_VERSION = 7
 GRAPHS = ("decode1", "decode_small", "decoden", "chunk")
 LORA_GRAPHS = ("decode_lora", "chunk_lora")
 # Run through the C ABI with the GIL released (aoti_runner.py): the graphs that call no Python.
@@ -224,9 +225,11 @@ def _wrappers(model) -> dict[str, torch.nn.Module]:
 class _Decode(torch.nn.Module):
     """forward_tokens with attention and the LM head in the graph, over flat inputs (AOTInductor
     takes tensors): after the KV caches, for decode_lora, LoRASlotTable.graph_inputs' tensors.
-    Returns every row's logits. The step's keys and values are written into the caches (inputs
-    mutated in place: AOTInductor writes into the caller's tensors, the pool is never copied) after
-    every layer has read them, so attention sees the cache as it was before the step."""
+    Returns every row's logits and their argmax (the greedy token: reduced inside the graph, each
+    thread over the logits it has just written, instead of by the host after the step, which reads
+    them from the other core's cache). The step's keys and values are written into the caches
+    (inputs mutated in place: AOTInductor writes into the caller's tensors, the pool is never
+    copied) after every layer has read them, so attention sees the cache as it was before the step."""
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -247,7 +250,8 @@ class _Decode(torch.nn.Module):
         )
         for (k_cache, v_cache), (k, v) in zip(caches, new_kv, strict=True):
             write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-        return self.m.compute_logits(hidden)
+        logits = self.m.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
 
 
 def _packed_lora(model, inputs: tuple):

@@ -118,13 +118,21 @@ class CompiledForward:
     """`forward_tokens(input_ids, positions, decode)` through a package's AOTInductor runners
     (aot_package.load_package); the model's rotary tables are passed in on every call. With
     `decode`, what comes back is every row's logits (the LM head runs inside the decode graphs),
-    not hidden states, and the step's keys and values are in the cache (the graphs write them)."""
+    not hidden states, and the step's keys and values are in the cache (the graphs write them);
+    the rows' argmax, which the graphs compute too, is kept for `argmax_of`."""
 
     def __init__(self, model, runners: dict) -> None:
         self.model = model
         self.runners = runners
         self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
         self.lora_steps = 0  # decode steps with adapter rows on the LoRA graph
+        self._last_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, argmax)
+
+    def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `logits` (the first maximum, as torch's), when they are the last
+        decode graph's output as it returned them; else None."""
+        last = self._last_decode
+        return last[1] if last is not None and last[0] is logits else None
 
     @property
     def serves_lora(self) -> bool:
@@ -151,6 +159,7 @@ class CompiledForward:
                 out = self.runners["decode_lora"].boxed_run(inputs + lora)
             else:
                 out = self.runners[decode_graph(n)].boxed_run(inputs)
+            self._last_decode = (out[0], out[1])
             return out[0]
         if lora is not None:
             self.lora_steps += 1

@@ -443,7 +443,11 @@ class ModelRunner:
                 last_rows = offsets[np.asarray(plain) + 1] - 1  # a plain chunk's one row is its last
                 plain_logits = logits[torch.from_numpy(last_rows).to(self.device)]
             if grammar is None and all(plain_greedy(r) for r in requests):
-                sampled = argmax_rows(plain_logits)  # what the sampler would do, without its set-up
+                # What the sampler would do, without its set-up; a decode graph computed it already.
+                compiled = getattr(self.model, "compiled", None)
+                sampled = compiled.argmax_of(plain_logits) if compiled is not None else None
+                if sampled is None:
+                    sampled = argmax_rows(plain_logits)
             else:
                 result = self.sampler(
                     plain_logits,
