@@ -226,6 +226,8 @@ def test_the_decode_graphs_argmax_is_torchs_and_the_runner_takes_it(target_model
         ours = generate(llm, [[0, *range(20 + i, 40 + i)] for i in range(k)], max_tokens=6)
         assert all(len(t) == 6 for t in ours)
         assert len(host_argmax) == 1  # the prefill step's alone: every decode step took the graph's
+        # Kept for argmax_of, the last logits are not kept alive past their step.
+        assert forward._last_decode is not None and forward._last_decode[0]() is None
     forward.runners = runners
     weight = llm.engine.runner.model.lm_head.weight  # the graphs read the model's own tensors
     original = weight.detach().clone()

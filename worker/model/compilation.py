@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import weakref
 
 import torch
 
@@ -126,13 +127,14 @@ class CompiledForward:
         self.runners = runners
         self.eager_fallbacks = 0  # steps no compiled graph covered (should stay 0)
         self.lora_steps = 0  # decode steps with adapter rows on the LoRA graph
-        self._last_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, argmax)
+        # (the logits, weakly: a large vocabulary's rows are not kept past their step; their argmax)
+        self._last_decode: tuple[weakref.ref, torch.Tensor] | None = None
 
     def argmax_of(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of `logits` (the first maximum, as torch's), when they are the last
         decode graph's output as it returned them; else None."""
         last = self._last_decode
-        return last[1] if last is not None and last[0] is logits else None
+        return last[1] if last is not None and last[0]() is logits else None
 
     @property
     def serves_lora(self) -> bool:
@@ -159,7 +161,7 @@ class CompiledForward:
                 out = self.runners["decode_lora"].boxed_run(inputs + lora)
             else:
                 out = self.runners[decode_graph(n)].boxed_run(inputs)
-            self._last_decode = (out[0], out[1])
+            self._last_decode = (weakref.ref(out[0]), out[1])
             return out[0]
         if lora is not None:
             self.lora_steps += 1
